@@ -1,0 +1,12 @@
+"""kda-ops: Kimi Delta Attention kernels as typed ``torch.ops.kda`` custom ops.
+
+``import kda_ops`` registers ``torch.ops.kda.*``. Public functions: :func:`chunk_kda` (training, prefill) and
+:func:`recurrent_kda` (decode, short sequences); both return ``(o, final_state or None)``.
+"""
+
+from kda_ops import ops
+from kda_ops.api import chunk_kda, recurrent_kda
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "chunk_kda", "ops", "recurrent_kda"]

@@ -1,0 +1,264 @@
+"""Public functions: argument checks with clear errors, defaults and docstrings. No math, no kernels.
+
+Checks read shapes, dtypes and devices only, never tensor values on an accelerator (no host synchronisation).
+The values of ``cu_seqlens`` are the caller's contract: ``cu_seqlens[0] == 0``, non-decreasing,
+``cu_seqlens[-1] == T``. They are checked when ``cu_seqlens`` lives on the CPU and the call is eager; on a GPU
+they are not read, and values that break the contract give unspecified (but in-bounds) results.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kda_ops import ops
+
+MAX_HEAD_DIM = 256
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _fail(cls: type[Exception], name: str, expected: str, got: Any) -> None:
+    raise cls(f"{name}: expected {expected}, got {got}")
+
+
+def _check_float(name: str, x: Tensor) -> None:
+    if not isinstance(x, Tensor):
+        _fail(TypeError, name, "a torch.Tensor", type(x).__name__)
+    if x.dtype not in _FLOAT:
+        _fail(TypeError, name, "a floating-point tensor (float16, bfloat16, float32 or float64)", x.dtype)
+
+
+def _check_shape(name: str, x: Tensor, shape: tuple[int, ...], text: str) -> None:
+    if tuple(x.shape) != shape:
+        _fail(ValueError, name, f"shape {text} = {list(shape)}", list(x.shape))
+
+
+def _validate(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    use_gate_in_kernel: bool,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    lower_bound: float | None,
+) -> float:
+    """Check every argument against the contract; return the scale to use."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _check_float(name, x)
+    if q.dim() != 4:
+        _fail(ValueError, "q", "a 4-D tensor [B, T, H, K]", f"shape {list(q.shape)}")
+    B, T, H, K = q.shape
+    _check_shape("k", k, (B, T, H, K), "[B, T, H, K] like q")
+    if v.dim() != 4 or tuple(v.shape[:2]) != (B, T):
+        _fail(ValueError, "v", f"shape [B, T, HV, V] with B, T = {B}, {T} (from q)", list(v.shape))
+    HV, V = v.shape[2], v.shape[3]
+    if H == 0 or HV % H != 0:
+        _fail(ValueError, "v", f"a number of value heads HV that is a multiple of H = {H}", f"HV = {HV}")
+    if K == 0 or K > MAX_HEAD_DIM:
+        _fail(ValueError, "q", f"a head dimension K in [1, {MAX_HEAD_DIM}]", f"K = {K}")
+    if V == 0 or V > MAX_HEAD_DIM:
+        _fail(ValueError, "v", f"a head dimension V in [1, {MAX_HEAD_DIM}]", f"V = {V}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        _fail(TypeError, "k", f"q, k and v of one dtype (q is {q.dtype})", f"k {k.dtype}, v {v.dtype}")
+    _check_shape("g", g, (B, T, HV, K), "[B, T, HV, K]")
+    _check_shape("beta", beta, (B, T, HV), "[B, T, HV]")
+    tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+
+    N = B
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, Tensor):
+            _fail(TypeError, "cu_seqlens", "a torch.Tensor", type(cu_seqlens).__name__)
+        if cu_seqlens.dtype not in (torch.int32, torch.int64):
+            _fail(TypeError, "cu_seqlens", "an int32 or int64 tensor", cu_seqlens.dtype)
+        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+            _fail(ValueError, "cu_seqlens", "a 1-D tensor [N + 1] with N >= 1", f"shape {list(cu_seqlens.shape)}")
+        if B != 1:
+            _fail(ValueError, "cu_seqlens", "batch size B = 1 (sequences are packed along T)", f"B = {B}")
+        N = cu_seqlens.shape[0] - 1
+        tensors["cu_seqlens"] = cu_seqlens
+        if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
+            _check_cu_seqlens_values(cu_seqlens, T)
+
+    if initial_state is not None:
+        _check_float("initial_state", initial_state)
+        _check_shape("initial_state", initial_state, (N, HV, K, V), "[N, HV, K, V]")
+        tensors["initial_state"] = initial_state
+
+    if use_gate_in_kernel:
+        if A_log is None and lower_bound is None:
+            _fail(ValueError, "A_log", "a tensor [HV] (or a lower_bound) with use_gate_in_kernel=True", None)
+        if A_log is not None:
+            _check_float("A_log", A_log)
+            _check_shape("A_log", A_log, (HV,), "[HV]")
+            tensors["A_log"] = A_log
+        if dt_bias is not None:
+            _check_float("dt_bias", dt_bias)
+            _check_shape("dt_bias", dt_bias, (HV * K,), "[HV * K]")
+            tensors["dt_bias"] = dt_bias
+        if lower_bound is not None and not (isinstance(lower_bound, (int, float)) and math.isfinite(lower_bound)):
+            _fail(ValueError, "lower_bound", "a finite float", lower_bound)
+    else:
+        for name, x in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
+            if x is not None:
+                _fail(ValueError, name, "None unless use_gate_in_kernel=True", type(x).__name__)
+
+    devices = {name: x.device for name, x in tensors.items()}
+    if len(set(devices.values())) > 1:
+        odd = [f"{name} on {d}" for name, d in devices.items() if d != q.device]
+        _fail(ValueError, odd[0].split(" ")[0], f"every tensor on q's device {q.device}", ", ".join(odd))
+
+    if scale is None:
+        return float(K) ** -0.5
+    if isinstance(scale, Tensor) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        _fail(TypeError, "scale", "a finite Python float (a new value recompiles a compiled graph)", scale)
+    return float(scale)
+
+
+def _check_cu_seqlens_values(cu_seqlens: Tensor, T: int) -> None:
+    """Values of a CPU ``cu_seqlens`` (reading a CPU tensor does not synchronise with any device)."""
+    cu = cu_seqlens.tolist()  # sync-ok: CPU tensor, eager only
+    if cu[0] != 0:
+        _fail(ValueError, "cu_seqlens", "cu_seqlens[0] == 0", cu[0])
+    if cu[-1] != T:
+        _fail(ValueError, "cu_seqlens", f"cu_seqlens[-1] == T = {T}", cu[-1])
+    if any(b < a for a, b in zip(cu, cu[1:])):
+        _fail(ValueError, "cu_seqlens", "non-decreasing values", cu)
+
+
+def _run(
+    op: Any,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None,
+    initial_state: Tensor | None,
+    output_final_state: bool,
+    cu_seqlens: Tensor | None,
+    use_qk_l2norm_in_kernel: bool,
+    use_gate_in_kernel: bool,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    lower_bound: float | None,
+    use_beta_sigmoid_in_kernel: bool,
+    allow_neg_eigval: bool,
+) -> tuple[Tensor, Tensor | None]:
+    s = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound)
+    o, final = op(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        s,
+        initial_state,
+        cu_seqlens,
+        A_log,
+        dt_bias,
+        None if lower_bound is None else float(lower_bound),
+        bool(output_final_state),
+        bool(use_qk_l2norm_in_kernel),
+        bool(use_gate_in_kernel),
+        bool(use_beta_sigmoid_in_kernel),
+        bool(allow_neg_eigval),
+    )
+    return o, (final if output_final_state else None)
+
+
+_DOC_ARGS = """
+    Args:
+        q, k: ``[B, T, H, K]``, float16 / bfloat16 / float32 (float64 for checks), ``K <= 256``.
+        v: ``[B, T, HV, V]``, the dtype of q, ``HV`` a multiple of ``H`` (value head ``hv`` reads q/k head
+            ``hv // (HV // H)``), ``V <= 256``.
+        g: ``[B, T, HV, K]``, log decay (``<= 0``), or the raw gate input with ``use_gate_in_kernel``.
+        beta: ``[B, T, HV]`` in ``[0, 1]``, or logits with ``use_beta_sigmoid_in_kernel``.
+        scale: multiplies q; default ``K ** -0.5``. A Python float: a new value recompiles a compiled graph.
+        initial_state: ``[N, HV, K, V]`` (float32), N = B, or ``len(cu_seqlens) - 1``.
+        output_final_state: also return the state after the last token, ``[N, HV, K, V]`` float32.
+        cu_seqlens: ``[N + 1]`` int32/int64 prefix sums of packed sequences (then B = 1); ``cu_seqlens[0] == 0``,
+            non-decreasing, last == T. Values are not read on a GPU: they are the caller's contract.
+        use_qk_l2norm_in_kernel: normalise q and k: ``x / sqrt(sum(x * x) + 1e-6)``.
+        use_gate_in_kernel: ``g = -exp(A_log) * softplus(g + dt_bias)``, or with ``lower_bound``
+            ``g = lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`` (``A_log`` may be None then).
+        A_log: ``[HV]``; dt_bias: ``[HV * K]`` (optional); lower_bound: a float (optional).
+        use_beta_sigmoid_in_kernel: ``beta = sigmoid(beta)``.
+        allow_neg_eigval: beta times 2 (after the sigmoid, if any), so the write can flip a direction.
+
+    Returns:
+        ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state ``[N, HV, K, V]`` float32 or None.
+
+    Raises:
+        TypeError, ValueError: naming the argument that breaks the contract.
+"""
+
+
+def chunk_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    lower_bound: float | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    return _run(
+        torch.ops.kda.chunk, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel,
+        allow_neg_eigval,
+    )  # fmt: skip
+
+
+def recurrent_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    lower_bound: float | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    return _run(
+        torch.ops.kda.recurrent, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel,
+        allow_neg_eigval,
+    )  # fmt: skip
+
+
+chunk_kda.__doc__ = (
+    "KDA over whole sequences by the chunkwise schedule (training, prefill). Differentiable.\n" + _DOC_ARGS
+)
+recurrent_kda.__doc__ = (
+    "KDA token by token by the fused recurrent schedule (decode, short sequences). Differentiable.\n" + _DOC_ARGS
+)
+
+__all__ = ["chunk_kda", "recurrent_kda"]
+_ = ops  # importing kda_ops.ops registers torch.ops.kda.*

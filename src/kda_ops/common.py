@@ -1,0 +1,69 @@
+"""Small pieces every layer shares: the option set and the shapes of each op's outputs.
+
+The fake (meta) functions of the ops and the kernel launchers allocate outputs through the same helpers, so
+the shapes and dtypes a compiled graph expects are the ones the kernels write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Options:
+    """The keyword options of the public contract that change the math (``scale`` aside)."""
+
+    use_qk_l2norm: bool = False
+    use_gate: bool = False
+    use_beta_sigmoid: bool = False
+    allow_neg_eigval: bool = False
+    lower_bound: float | None = None
+
+
+def state_dtype(v: Tensor) -> torch.dtype:
+    """The recurrent state is float32, or float64 for float64 inputs."""
+    return torch.float64 if v.dtype == torch.float64 else torch.float32
+
+
+def num_sequences(q: Tensor, cu_seqlens: Tensor | None) -> int:
+    """``N``: the batch size, or ``len(cu_seqlens) - 1``."""
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+def forward_outputs(q: Tensor, v: Tensor, cu_seqlens: Tensor | None, output_final_state: bool) -> tuple[Tensor, Tensor]:
+    """Uninitialised ``o [B, T, HV, V]`` (v's dtype) and final state ``[N, HV, K, V]`` (or ``(0,)`` when not asked)."""
+    K = q.shape[-1]
+    HV, V = v.shape[2], v.shape[3]
+    o = torch.empty_like(v)
+    shape = (num_sequences(q, cu_seqlens), HV, K, V) if output_final_state else (0,)
+    return o, v.new_empty(shape, dtype=state_dtype(v))
+
+
+def backward_outputs(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Uninitialised gradients shaped like their inputs; ``(0,)`` for an absent optional input."""
+
+    def like(x: Tensor | None) -> Tensor:
+        return q.new_empty(0) if x is None else torch.empty_like(x)
+
+    return (
+        torch.empty_like(q),
+        torch.empty_like(k),
+        torch.empty_like(v),
+        torch.empty_like(g),
+        torch.empty_like(beta),
+        like(initial_state),
+        like(A_log),
+        like(dt_bias),
+    )

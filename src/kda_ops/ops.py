@@ -1,0 +1,231 @@
+"""The ``torch.ops.kda`` operators: schemas, fake functions, device kernels and autograd.
+
+Every op is a ``torch.library.custom_op``: opaque to Inductor, traceable by ``torch.compile(fullgraph=True)``
+and ``torch.export``, capturable in CUDA graphs. Optional tensor inputs are ``Tensor?``; an output that was not
+asked for is an empty ``(0,)`` tensor (an op cannot return ``None``); the public functions in
+:mod:`kda_ops.api` turn it into ``None``.
+
+Schemas (``torch.ops.kda.*``)::
+
+    chunk(q, k, v, g, beta, float scale, Tensor? initial_state, Tensor? cu_seqlens, Tensor? A_log,
+          Tensor? dt_bias, float? lower_bound, bool output_final_state, bool use_qk_l2norm_in_kernel,
+          bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval) -> (Tensor o, Tensor final_state)
+    recurrent(...)                      same schema as chunk
+    chunk_bwd(do, Tensor? dht, q, k, v, g, beta, float scale, Tensor? initial_state, Tensor? cu_seqlens,
+              Tensor? A_log, Tensor? dt_bias, float? lower_bound, bool use_qk_l2norm_in_kernel,
+              bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval)
+        -> (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)
+    recurrent_bwd(...)                  same schema as chunk_bwd
+
+Kernels: on CUDA the Triton kernels where :data:`TRITON_KERNELS` lists one, else the PyTorch reference; on the CPU
+the reference, or the Triton kernels under ``TRITON_INTERPRET=1`` when :func:`cpu_backend` selects ``"triton"``
+(the test switch). The choice is explicit: nothing falls back silently when a Triton kernel fails.
+"""
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from kda_ops import reference
+from kda_ops.common import Options, backward_outputs, forward_outputs
+
+# Ops whose CUDA kernel (and CPU kernel under the "triton" CPU backend) is Triton; the rest run the reference.
+TRITON_KERNELS: frozenset[str] = frozenset()
+
+_cpu_backend = os.environ.get("KDA_OPS_CPU_BACKEND", "reference")
+
+
+@contextlib.contextmanager
+def cpu_backend(name: str) -> Iterator[None]:
+    """Route CPU calls of the ops to ``"reference"`` (default) or ``"triton"`` (needs ``TRITON_INTERPRET=1``)."""
+    global _cpu_backend
+    if name not in ("reference", "triton"):
+        raise ValueError(f"cpu_backend: expected 'reference' or 'triton', got {name!r}")
+    old, _cpu_backend = _cpu_backend, name
+    try:
+        yield
+    finally:
+        _cpu_backend = old
+
+
+def _use_triton(op: str, device: torch.device) -> bool:
+    if op not in TRITON_KERNELS:
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and _cpu_backend == "triton")
+
+
+def _triton_kernel(op: str) -> Callable[..., Any]:
+    from kda_ops import triton as kt  # imported lazily: the package works on CPU without triton
+
+    fn: Callable[..., Any] = kt.KERNELS[op]
+    return fn
+
+
+def _options(
+    lower_bound: Optional[float], use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool
+) -> Options:
+    return Options(use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, lower_bound)
+
+
+# ----------------------------------------------------------------------------------------------- forward
+
+
+def _forward(op: str, ref: Callable[..., tuple[Tensor, Tensor]]) -> Any:
+    """Define the forward op ``kda::<op>`` whose reference kernel is ``ref``."""
+
+    @torch.library.custom_op(f"kda::{op}", mutates_args=())
+    def fwd(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        g: Tensor,
+        beta: Tensor,
+        scale: float,
+        initial_state: Optional[Tensor],
+        cu_seqlens: Optional[Tensor],
+        A_log: Optional[Tensor],
+        dt_bias: Optional[Tensor],
+        lower_bound: Optional[float],
+        output_final_state: bool,
+        use_qk_l2norm_in_kernel: bool,
+        use_gate_in_kernel: bool,
+        use_beta_sigmoid_in_kernel: bool,
+        allow_neg_eigval: bool,
+    ) -> tuple[Tensor, Tensor]:
+        opts = _options(lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+        kernel = _triton_kernel(op) if _use_triton(op, q.device) else ref
+        return kernel(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts, output_final_state)  # type: ignore[no-any-return]
+
+    @fwd.register_fake
+    def _(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        g: Tensor,
+        beta: Tensor,
+        scale: float,
+        initial_state: Optional[Tensor],
+        cu_seqlens: Optional[Tensor],
+        A_log: Optional[Tensor],
+        dt_bias: Optional[Tensor],
+        lower_bound: Optional[float],
+        output_final_state: bool,
+        *flags: bool,
+    ) -> tuple[Tensor, Tensor]:
+        return forward_outputs(q, v, cu_seqlens, output_final_state)
+
+    return fwd
+
+
+def _backward(op: str, ref: Callable[..., tuple[Optional[Tensor], ...]]) -> Any:
+    """Define the backward op ``kda::<op>``; ``ref`` returns None for absent inputs, the op returns ``(0,)``."""
+
+    @torch.library.custom_op(f"kda::{op}", mutates_args=())
+    def bwd(
+        do: Tensor,
+        dht: Optional[Tensor],
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        g: Tensor,
+        beta: Tensor,
+        scale: float,
+        initial_state: Optional[Tensor],
+        cu_seqlens: Optional[Tensor],
+        A_log: Optional[Tensor],
+        dt_bias: Optional[Tensor],
+        lower_bound: Optional[float],
+        use_qk_l2norm_in_kernel: bool,
+        use_gate_in_kernel: bool,
+        use_beta_sigmoid_in_kernel: bool,
+        allow_neg_eigval: bool,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        opts = _options(lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+        kernel = _triton_kernel(op) if _use_triton(op, q.device) else ref
+        grads = kernel(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts)
+        empty = q.new_empty(0)
+        return tuple(empty if x is None else x for x in grads)  # type: ignore[return-value]
+
+    @bwd.register_fake
+    def _(
+        do: Tensor,
+        dht: Optional[Tensor],
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        g: Tensor,
+        beta: Tensor,
+        scale: float,
+        initial_state: Optional[Tensor],
+        cu_seqlens: Optional[Tensor],
+        A_log: Optional[Tensor],
+        dt_bias: Optional[Tensor],
+        *rest: Any,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        return backward_outputs(q, k, v, g, beta, initial_state, A_log, dt_bias)
+
+    return bwd
+
+
+def _reference_bwd(
+    do: Tensor,
+    dht: Optional[Tensor],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    opts: Options,
+) -> tuple[Optional[Tensor], ...]:
+    # Both schedules compute the same function: the chunkwise analytic backward is the CPU kernel of both.
+    return reference.chunk_bwd(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts)
+
+
+chunk = _forward("chunk", reference.chunk_fwd)
+recurrent = _forward("recurrent", reference.recurrent_fwd)
+chunk_bwd = _backward("chunk_bwd", _reference_bwd)
+recurrent_bwd = _backward("recurrent_bwd", _reference_bwd)
+
+
+# ---------------------------------------------------------------------------------------------- autograd
+
+_TENSOR_INPUTS = ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens", "A_log", "dt_bias")
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    (q, k, v, g, beta, scale, h0, cu, A_log, dt_bias, lower_bound, _out_final, *flags) = inputs
+    ctx.save_for_backward(q, k, v, g, beta, h0, cu, A_log, dt_bias)
+    ctx.scale, ctx.lower_bound, ctx.flags = scale, lower_bound, flags
+
+
+def _autograd(bwd_op: Any) -> Callable[..., tuple[Optional[Tensor], ...]]:
+    def backward(ctx: Any, do: Tensor, dht: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
+        q, k, v, g, beta, h0, cu, A_log, dt_bias = ctx.saved_tensors
+        if dht is not None and dht.numel() == 0:
+            dht = None
+        dq, dk, dv, dg, dbeta, dh0, dA, ddt = bwd_op(
+            do, dht, q, k, v, g, beta, ctx.scale, h0, cu, A_log, dt_bias, ctx.lower_bound, *ctx.flags
+        )
+        return (
+            dq, dk, dv, dg, dbeta, None,
+            None if h0 is None else dh0,
+            None,
+            None if A_log is None else dA,
+            None if dt_bias is None else ddt,
+            None, None, None, None, None, None,
+        )  # fmt: skip
+
+    return backward
+
+
+chunk.register_autograd(_autograd(chunk_bwd), setup_context=_setup_context)
+recurrent.register_autograd(_autograd(recurrent_bwd), setup_context=_setup_context)
