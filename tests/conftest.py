@@ -1,0 +1,33 @@
+"""Test set-up: the Triton interpreter on machines without a GPU, and the ``gpu`` marker.
+
+``TRITON_INTERPRET=1`` must be set before any ``@triton.jit`` decorator runs, so it is set here, before
+kda_ops is imported, whenever no CUDA device is present.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on the H200)")
+    config.addinivalue_line("markers", "interpret: runs Triton kernels under TRITON_INTERPRET=1 on the CPU")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_triton = pytest.mark.skip(reason="needs triton")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+        if "interpret" in item.keywords and (HAS_CUDA or not HAS_TRITON):
+            item.add_marker(skip_triton if not HAS_TRITON else pytest.mark.skip(reason="interpreter tests run on CPU"))
