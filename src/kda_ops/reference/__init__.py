@@ -1,7 +1,7 @@
 """Pure-PyTorch KDA: the oracle for every kernel and the CPU kernels of the ops."""
 
-from kda_ops.reference.chunk import chunk_bwd, chunk_fwd
 from kda_ops.common import Options
+from kda_ops.reference.chunk import chunk_bwd, chunk_fwd
 from kda_ops.reference.gates import beta_transform, gate, l2norm
 from kda_ops.reference.naive import naive_recurrent_kda
 from kda_ops.reference.recurrent import recurrent_fwd

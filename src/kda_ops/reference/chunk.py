@@ -22,8 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kda_ops.common import Options
-from kda_ops.common import state_dtype
+from kda_ops.common import Options, state_dtype
 from kda_ops.reference.gates import prepare, prepare_bwd
 from kda_ops.varlen import ChunkSlots, chunk_slots, flat_cu_seqlens
 
@@ -54,7 +53,8 @@ def solve_unit_lower(Mkk: Tensor) -> Tensor:
     """``(I + Mkk)^-1`` for strictly lower triangular ``Mkk [..., C, C]``."""
     C = Mkk.shape[-1]
     eye = torch.eye(C, dtype=Mkk.dtype, device=Mkk.device)
-    return torch.linalg.solve_triangular(eye + Mkk, eye.expand_as(Mkk), upper=False, unitriangular=True)
+    inv: Tensor = torch.linalg.solve_triangular(eye + Mkk, eye.expand_as(Mkk), upper=False, unitriangular=True)
+    return inv
 
 
 def wy_factors(Tm: Tensor, k: Tensor, v: Tensor, beta: Tensor, Gam: Tensor) -> tuple[Tensor, Tensor]:
@@ -127,7 +127,9 @@ def _forward(
         Souts.append(S)
     final = torch.cat([h0, h0.new_zeros(1, HV, K, V)])
     final = final.index_copy(0, torch.where(slots.last, slots.seq, N), torch.stack(Souts))[:N]
-    return ChunkState(slots, index, qc, kc, vc, gc, bc, Gam, Mqk, Mkk, Tm, W, U, torch.stack(Hin), torch.stack(Es), final)
+    return ChunkState(
+        slots, index, qc, kc, vc, gc, bc, Gam, Mqk, Mkk, Tm, W, U, torch.stack(Hin), torch.stack(Es), final
+    )
 
 
 def _outputs(st: ChunkState, scale: float) -> Tensor:

@@ -4,7 +4,8 @@ Formulas (architecture.md, "Keyword options"):
 
 - l2norm: ``x / sqrt(sum(x * x) + 1e-6)`` over the last dimension.
 - gate: ``g = -exp(A_log) * softplus(x + dt_bias)``; with ``lower_bound``:
-  ``g = lower_bound * sigmoid(exp(A_log) * (x + dt_bias))`` (``A_log`` may then be None: ``lower_bound * sigmoid(x + dt_bias)``).
+  ``g = lower_bound * sigmoid(exp(A_log) * (x + dt_bias))``
+  (``A_log`` may then be None: ``lower_bound * sigmoid(x + dt_bias)``).
 - beta: ``sigmoid(beta)`` when asked, then times 2 with ``allow_neg_eigval``.
 
 Every function works on ``[..., HV, K]`` (gate) or ``[..., HV]`` (beta) in the dtype it is given; callers upcast.

@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kda_ops.common import Options
-from kda_ops.common import state_dtype
+from kda_ops.common import Options, state_dtype
 from kda_ops.reference.gates import prepare
 
 
@@ -42,7 +41,9 @@ def naive_recurrent_kda(
     HV, V = v.shape[2], v.shape[3]
     scale = K**-0.5 if scale is None else scale
     dtype = state_dtype(v)
-    opts = Options(use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound)
+    opts = Options(
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound
+    )
     qp, kp, gp, bp = prepare(q, k, g, beta, A_log, dt_bias, opts, dtype)
     qp = qp.repeat_interleave(HV // H, dim=2)
     kp = kp.repeat_interleave(HV // H, dim=2)

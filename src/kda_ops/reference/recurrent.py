@@ -9,10 +9,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kda_ops.common import Options
-from kda_ops.common import state_dtype
+from kda_ops.common import Options, state_dtype
 from kda_ops.reference.gates import prepare
-from kda_ops.varlen import dense_cu_seqlens, sanitize_cu_seqlens
+from kda_ops.varlen import sanitize_cu_seqlens
 
 
 def recurrent_fwd(
