@@ -147,8 +147,8 @@ def _backward(op: str, ref: Callable[..., tuple[Optional[Tensor], ...]]) -> Any:
         opts = _options(lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
         kernel = _triton_kernel(op) if _use_triton(op, q.device) else ref
         grads = kernel(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts)
-        empty = q.new_empty(0)
-        return tuple(empty if x is None else x for x in grads)  # type: ignore[return-value]
+        # a fresh empty tensor each: outputs of a custom op may not alias one another
+        return tuple(q.new_empty(0) if x is None else x for x in grads)  # type: ignore[return-value]
 
     @bwd.register_fake
     def _(

@@ -1,0 +1,181 @@
+"""The torch.ops.kda layer on the CPU: op vs reference, opcheck, gradcheck, torch.compile, torch.export."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import kda_ops
+from kda_ops.reference import naive_recurrent_kda
+from kda_ops.testing import make_inputs, make_state, rel_err
+
+F64 = torch.float64
+SCHEDULES = {"chunk": kda_ops.chunk_kda, "recurrent": kda_ops.recurrent_kda}
+
+
+def _op_args(x: dict[str, Any], *, h0: torch.Tensor | None = None, cu: torch.Tensor | None = None,
+             final: bool = False, gate: bool = False) -> tuple[Any, ...]:  # fmt: skip
+    """Positional arguments of kda::chunk / kda::recurrent."""
+    K = x["q"].shape[-1]
+    return (x["q"], x["k"], x["v"], x["g"], x["beta"], K**-0.5, h0, cu, x.get("A_log"), x.get("dt_bias"), None,
+            final, True, gate, True, False)  # fmt: skip
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_op_matches_oracle(schedule: str, dtype: torch.dtype) -> None:
+    x = make_inputs(2, 19, 1, 8, 8, HV=2, dtype=dtype)
+    h0 = make_state(2, 2, 8, 8)
+    o, s = SCHEDULES[schedule](**x, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert o.dtype == dtype and o.shape == (2, 19, 2, 8)
+    assert s is not None and s.dtype == torch.float32 and s.shape == (2, 2, 8, 8)
+    x64 = {n: t.double() for n, t in x.items()}
+    o_ref, s_ref = naive_recurrent_kda(**x64, initial_state=h0.double(), output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True)  # fmt: skip
+    assert s_ref is not None
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(o, o_ref) <= tol
+    assert rel_err(s, s_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_no_final_state_is_none(schedule: str) -> None:
+    x = make_inputs(1, 4, 1, 4, 4)
+    o, s = SCHEDULES[schedule](**x)
+    assert s is None and o.shape == (1, 4, 1, 4)
+
+
+OPCHECK_CASES = {
+    "plain": {},
+    "state": {"h0": True, "final": True},
+    "varlen": {"cu": True, "h0": True, "final": True},
+    "gate": {"gate": True, "final": True},
+}
+
+
+@pytest.mark.parametrize("case", OPCHECK_CASES)
+@pytest.mark.parametrize("op", ["chunk", "recurrent"])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck_forward(case: str, op: str, requires_grad: bool) -> None:
+    c = OPCHECK_CASES[case]
+    B, T = (1, 12) if c.get("cu") else (2, 6)
+    x = make_inputs(B, T, 1, 4, 4, HV=2, gate_in_kernel=bool(c.get("gate")), beta_logits=True)
+    cu = torch.tensor([0, 3, 3, 12]) if c.get("cu") else None
+    h0 = make_state(3 if cu is not None else B, 2, 4, 4) if c.get("h0") else None
+    if requires_grad:
+        x = {n: t.requires_grad_() for n, t in x.items()}
+        h0 = None if h0 is None else h0.requires_grad_()
+    args = _op_args(x, h0=h0, cu=cu, final=bool(c.get("final")), gate=bool(c.get("gate")))
+    torch.library.opcheck(getattr(torch.ops.kda, op).default, args)
+
+
+@pytest.mark.parametrize("op", ["chunk_bwd", "recurrent_bwd"])
+def test_opcheck_backward(op: str) -> None:
+    x = make_inputs(1, 12, 1, 4, 4, HV=2, gate_in_kernel=True, beta_logits=True)
+    cu = torch.tensor([0, 5, 12])
+    h0 = make_state(2, 2, 4, 4)
+    do, dht = torch.randn_like(x["v"]), torch.randn_like(h0)
+    args = (do, dht, x["q"], x["k"], x["v"], x["g"], x["beta"], 0.5, h0, cu, x["A_log"], x["dt_bias"], None,
+            True, True, True, True)  # fmt: skip
+    torch.library.opcheck(getattr(torch.ops.kda, op).default, args)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gradcheck(schedule: str, varlen: bool) -> None:
+    B, T = (1, 7) if varlen else (2, 4)
+    x = make_inputs(B, T, 1, 3, 2, HV=2, dtype=F64, gate_in_kernel=True, beta_logits=True)
+    cu = torch.tensor([0, 2, 2, 7]) if varlen else None
+    h0 = make_state(3 if varlen else B, 2, 3, 2, dtype=F64)
+    names = ["q", "k", "v", "g", "beta", "A_log", "dt_bias"]
+    fn = SCHEDULES[schedule]
+
+    def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+          A_log: torch.Tensor, dt_bias: torch.Tensor, h0: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                  use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                  use_beta_sigmoid_in_kernel=True)  # fmt: skip
+        assert s is not None
+        return o, s
+
+    inputs = tuple(x[n].clone().requires_grad_() for n in names) + (h0.clone().requires_grad_(),)
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_compile_fullgraph_forward_backward(schedule: str) -> None:
+    torch._dynamo.reset()
+    fn = SCHEDULES[schedule]
+
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             h0: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        assert s is not None
+        return (o.float() ** 2).sum() + s.sum()
+
+    x = make_inputs(2, 9, 1, 4, 4, HV=2)
+    h0 = make_state(2, 2, 4, 4)
+    leaves = [t.requires_grad_() for t in (*x.values(), h0)]
+    loss = step(*leaves)
+    grads = torch.autograd.grad(loss, leaves)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    loss_c = compiled(*leaves)
+    grads_c = torch.autograd.grad(loss_c, leaves)
+    assert counter.frame_count == 1
+    torch.testing.assert_close(loss_c, loss)
+    for a, b in zip(grads_c, grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_compile_one_graph_across_T() -> None:
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        return kda_ops.chunk_kda(q, k, v, g, beta, scale=0.5)[0]
+
+    for T in (8, 13, 21):
+        x = make_inputs(1, T, 1, 4, 4, seed=T)
+        for t in x.values():
+            torch._dynamo.mark_dynamic(t, 1)
+        torch.testing.assert_close(f(**x), kda_ops.chunk_kda(**x, scale=0.5)[0])
+    assert counter.frame_count == 1
+
+
+def test_compile_varlen_values_do_not_recompile() -> None:
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def f(x: dict[str, torch.Tensor], cu: torch.Tensor) -> torch.Tensor:
+        return kda_ops.chunk_kda(**x, cu_seqlens=cu)[0]
+
+    x = make_inputs(1, 16, 1, 4, 4)
+    for cu in ([0, 4, 16], [0, 0, 16], [0, 15, 16]):
+        cu_t = torch.tensor(cu)
+        torch.testing.assert_close(f(x, cu_t), kda_ops.chunk_kda(**x, cu_seqlens=cu_t)[0])
+    assert counter.frame_count == 1
+
+
+class _Layer(torch.nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        o, s = kda_ops.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                 use_qk_l2norm_in_kernel=True)  # fmt: skip
+        assert s is not None
+        return o, s
+
+
+def test_export() -> None:
+    x = make_inputs(2, 10, 1, 4, 4, HV=2)
+    h0 = make_state(2, 2, 4, 4)
+    args = (*x.values(), h0)
+    ep = torch.export.export(_Layer(), args)
+    assert any("kda.chunk" in str(n.target) for n in ep.graph.nodes)
+    for a, b in zip(ep.module()(*args), _Layer()(*args)):
+        torch.testing.assert_close(a, b)
