@@ -1,0 +1,168 @@
+"""Sessions: ``nox -s tests`` (the CPU matrix), ``lint``, ``typecheck``, ``build``, ``docs``, and two that run in the
+machine's own Python without installing anything: ``gpu`` (the ``gpu``-marked tests) and ``bench``.
+
+CPU torch: a plain ``pip install torch`` on Linux fetches the CUDA build (gigabytes). The sessions take a CPU build
+from a local wheel folder when pip is configured with one (``PIP_FIND_LINKS`` or pip's ``find-links`` setting; uv
+does not read pip's configuration, so it is handed over as ``UV_FIND_LINKS``), else from PyTorch's CPU index.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "uv|virtualenv"
+nox.options.reuse_venv = "yes"
+nox.options.sessions = ["lint", "typecheck", "tests"]
+
+ROOT = Path(__file__).parent
+TORCH = "2.13.0"
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+# (torch, triton, numpy pin): triton <= 3.6's interpreter breaks with numpy >= 2.4. The last row checks that the
+# package and its tests run without triton at all.
+MATRIX = [
+    nox.param(TORCH, "3.6.0", "numpy<2.4", id="torch2.13-triton3.6"),
+    nox.param(TORCH, "3.7.1", "numpy", id="torch2.13-triton3.7"),
+    nox.param(TORCH, "3.9.0", "numpy", id="torch2.13-triton3.9"),
+    nox.param(TORCH, None, None, id="torch2.13-no-triton"),
+]
+
+
+def _pip_find_links() -> list[str]:
+    """Local wheel folders that pip is configured with (environment first, then pip's config files)."""
+    links = os.environ.get("PIP_FIND_LINKS", "").split()
+    if not links:
+        try:
+            out = subprocess.run(
+                [sys.executable, "-m", "pip", "config", "get", "global.find-links"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            ).stdout
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        links = out.split()
+    return [link for link in links if os.path.isdir(link)]
+
+
+FIND_LINKS = _pip_find_links()
+if FIND_LINKS and "UV_FIND_LINKS" not in os.environ:
+    os.environ["UV_FIND_LINKS"] = " ".join(FIND_LINKS)
+
+
+def _torch(version: str) -> list[str]:
+    """Install arguments for a CPU build of torch ``version``."""
+    if any(glob.glob(os.path.join(d, f"torch-{version}+cpu-*.whl")) for d in FIND_LINKS):
+        return [f"torch=={version}"]
+    return [f"torch=={version}", "--index-url", TORCH_CPU_INDEX]
+
+
+def _install_package(session: nox.Session, target: str = ".") -> None:
+    """Install kda-ops itself without touching its dependencies, rebuilt every time (venvs are reused)."""
+    if session.venv_backend == "uv":
+        session.install("--no-deps", "--reinstall-package", "kda-ops", target)
+    else:
+        session.install("--no-deps", "--force-reinstall", target)
+
+
+@nox.session
+@nox.parametrize(("torch", "triton", "numpy"), MATRIX)
+def tests(session: nox.Session, torch: str, triton: str | None, numpy: str | None) -> None:
+    """The test suite on the CPU: reference kernels, ops, compile/export, and Triton kernels under the interpreter."""
+    session.install(*_torch(torch))
+    session.install("pytest", *([f"triton=={triton}"] if triton else []), *([numpy] if numpy else []))
+    _install_package(session)
+    if not triton:  # this row checks the package without triton: make sure nothing brought it in
+        session.run(
+            "python",
+            "-c",
+            "import importlib.util, sys; sys.exit(importlib.util.find_spec('triton') and 'triton is installed')",
+        )
+    session.run("python", "-m", "pytest", "-q", "tests", *session.posargs, env={"TRITON_INTERPRET": "1"})
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    paths = [p for p in ("src", "tests", "noxfile.py", "benchmarks") if (ROOT / p).exists()]
+    session.run("ruff", "check", *paths, *session.posargs)
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """``mypy --strict`` over src/ (settings in pyproject.toml; triton through stubs/)."""
+    session.install(*_torch(TORCH))
+    session.install("mypy")
+    session.run("mypy", "--strict", *session.posargs)
+
+
+@nox.session(reuse_venv=False)
+def build(session: nox.Session) -> None:
+    """Build the wheel, install it into this fresh venv (no source tree on the path), import it, call it once."""
+    session.install("build")
+    out = Path(tempfile.mkdtemp(prefix="kda-ops-wheel-"))
+    installer = ["--installer", "uv"] if session.venv_backend == "uv" else []
+    session.run("python", "-m", "build", "--wheel", "--outdir", str(out), *installer)
+    wheels = sorted(out.glob("kda_ops-*-py3-none-any.whl"))
+    if len(wheels) != 1:
+        session.error(f"expected one pure wheel kda_ops-*-py3-none-any.whl in {out}, found {os.listdir(out)}")
+    session.log(f"wheel: {wheels[0].name}")
+    session.install(*_torch(TORCH))
+    _install_package(session, str(wheels[0]))
+    session.chdir(out)
+    session.run("python", "-c", SMOKE)
+    shutil.rmtree(out, ignore_errors=True)
+
+
+SMOKE = """
+import pathlib, torch, kda_ops
+from kda_ops.testing import make_inputs
+assert "site-packages" in kda_ops.__file__, kda_ops.__file__
+assert (pathlib.Path(kda_ops.__file__).parent / "py.typed").exists()
+o, s = kda_ops.chunk_kda(**make_inputs(1, 8, 1, 4, 4), output_final_state=True)
+assert o.shape == (1, 8, 1, 4) and s.shape == (1, 1, 4, 4) and torch.isfinite(o).all()
+print("kda_ops", kda_ops.__version__, "from", kda_ops.__file__, ": chunk_kda OK")
+"""
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation with warnings as errors."""
+    session.install("mkdocs-material")
+    site = tempfile.mkdtemp(prefix="kda-ops-site-")
+    session.run("mkdocs", "build", "--strict", "--site-dir", site, *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """The ``gpu``-marked tests in the machine's own Python (the H200: torch 2.11, triton 3.6, no network).
+
+    Nothing is installed: kda_ops is imported from src/. Without nox there, the same is
+    ``PYTHONPATH=src python -m kda_ops && PYTHONPATH=src python -m pytest -m gpu tests``.
+    """
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    session.run("python", "-m", "kda_ops", env=env)
+    session.run("python", "-m", "pytest", "-m", "gpu", "tests", *session.posargs, env=env)
+
+
+@nox.session(venv_backend="none")
+def bench(session: nox.Session) -> None:
+    """Benchmarks in the machine's own Python. ``nox -s bench -- chunk`` runs benchmarks/bench_chunk.py only."""
+    names = session.posargs or ["recurrent", "chunk"]
+    scripts = [ROOT / "benchmarks" / (n if n.endswith(".py") else f"bench_{n}.py") for n in names]
+    found = [s for s in scripts if s.exists()]
+    if session.posargs and len(found) != len(scripts):
+        session.error(f"no such benchmark: {[str(s) for s in scripts if not s.exists()]}")
+    if not found:
+        session.skip("no benchmark scripts in benchmarks/ yet")
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    for script in found:
+        session.run("python", str(script), env=env)
