@@ -253,6 +253,87 @@ def recurrent_kda(
     )  # fmt: skip
 
 
+def _validate_pool(q: Tensor, v: Tensor, state_pool: Tensor, state_indices: Tensor, cu_seqlens: Tensor | None) -> None:
+    """Check the serving step's pool and slot indices (after :func:`_validate` checked the rest)."""
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    _check_float("state_pool", state_pool)
+    if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (HV, K, V):
+        _fail(ValueError, "state_pool", f"shape [S, HV, K, V] with HV, K, V = {HV}, {K}, {V}", list(state_pool.shape))
+    if state_pool.dtype not in (torch.float32, torch.float64):
+        _fail(TypeError, "state_pool", "a float32 tensor (float64 for checks)", state_pool.dtype)
+    if not state_pool.is_contiguous():
+        _fail(ValueError, "state_pool", "a contiguous tensor (it is updated in place; a copy would not be)", "strides "
+              f"{state_pool.stride()}")  # fmt: skip
+    if not isinstance(state_indices, Tensor):
+        _fail(TypeError, "state_indices", "a torch.Tensor", type(state_indices).__name__)
+    if state_indices.dtype not in (torch.int32, torch.int64):
+        _fail(TypeError, "state_indices", "an int32 or int64 tensor", state_indices.dtype)
+    _check_shape("state_indices", state_indices, (N,), "[N] (one slot per sequence)")
+    for name, x in (("state_pool", state_pool), ("state_indices", state_indices)):
+        if x.device != q.device:
+            _fail(ValueError, name, f"a tensor on q's device {q.device}", x.device)
+    if state_indices.device.type == "cpu" and not torch.compiler.is_compiling():
+        idx = state_indices.tolist()  # sync-ok: CPU tensor, eager only
+        S = state_pool.shape[0]
+        if any(i < -1 or i >= S for i in idx):
+            _fail(ValueError, "state_indices", f"slots in [0, {S}) or -1 (padding)", idx)
+        used = [i for i in idx if i >= 0]
+        if len(set(used)) != len(used):
+            _fail(ValueError, "state_indices", "distinct slots (two sequences cannot update one state)", idx)
+
+
+def recurrent_kda_update_(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    state_indices: Tensor,
+    *,
+    scale: float | None = None,
+    cu_seqlens: Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    lower_bound: float | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+) -> Tensor:
+    """The serving step: KDA token by token, from and back into a pool of states, in place. Not differentiable.
+
+    Sequence ``n`` starts from ``state_pool[state_indices[n]]``; its state after its last token is written back
+    there. A slot of -1 marks a padding sequence: it is skipped, its output rows are zeros and the pool is left
+    alone. One token per sequence is a decode step; several (through ``cu_seqlens``, or a dense ``[B, T]``
+    batch) serve chunked prefill or speculative steps. No host synchronisation: capturable in a CUDA graph and
+    traceable by ``torch.compile(fullgraph=True)``, which updates the pool in place (no copy).
+
+    Args:
+        q, k, v, g, beta, scale, cu_seqlens, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
+            lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval: as in :func:`recurrent_kda`.
+        state_pool: ``[S, HV, K, V]`` float32 (float64 for checks), contiguous; updated in place.
+        state_indices: ``[N]`` int32/int64, one slot per sequence (N = B, or ``len(cu_seqlens) - 1``), distinct
+            except for -1 (padding). Values are checked only on the CPU in eager mode; on a GPU they are the
+            caller's contract (any slot outside ``[0, S)`` is treated as padding; repeated slots race).
+
+    Returns:
+        o: ``[B, T, HV, V]`` in v's dtype.
+
+    Raises:
+        TypeError, ValueError: naming the argument that breaks the contract.
+    """
+    s = _validate(q, k, v, g, beta, scale, None, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound)
+    _validate_pool(q, v, state_pool, state_indices, cu_seqlens)
+    o: Tensor = torch.ops.kda.recurrent_update_(
+        q, k, v, g, beta, state_pool, state_indices, s, cu_seqlens, A_log, dt_bias,
+        None if lower_bound is None else float(lower_bound), bool(use_qk_l2norm_in_kernel),
+        bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval),
+    )  # fmt: skip
+    return o
+
+
 chunk_kda.__doc__ = (
     "KDA over whole sequences by the chunkwise schedule (training, prefill). Differentiable.\n" + _DOC_ARGS
 )
@@ -260,5 +341,5 @@ recurrent_kda.__doc__ = (
     "KDA token by token by the fused recurrent schedule (decode, short sequences). Differentiable.\n" + _DOC_ARGS
 )
 
-__all__ = ["chunk_kda", "recurrent_kda"]
+__all__ = ["chunk_kda", "recurrent_kda", "recurrent_kda_update_"]
 _ = ops  # importing kda_ops.ops registers torch.ops.kda.*

@@ -16,6 +16,11 @@ Schemas (``torch.ops.kda.*``)::
               bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval)
         -> (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)
     recurrent_bwd(...)                  same schema as chunk_bwd
+    recurrent_update_(q, k, v, g, beta, Tensor(a!) state_pool, Tensor state_indices, float scale,
+                      Tensor? cu_seqlens, Tensor? A_log, Tensor? dt_bias, float? lower_bound,
+                      bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel,
+                      bool allow_neg_eigval) -> Tensor o
+        the serving step: reads and writes state_pool [S, HV, K, V] in place at state_indices [N] (-1: padding)
 
 Kernels: on CUDA the Triton kernels where :data:`TRITON_KERNELS` lists one, else the PyTorch reference; on the CPU
 the reference, or the Triton kernels under ``TRITON_INTERPRET=1`` when :func:`cpu_backend` selects ``"triton"``
@@ -34,7 +39,7 @@ from kda_ops import reference
 from kda_ops.common import Options, backward_outputs, forward_outputs
 
 # Ops whose CUDA kernel (and CPU kernel under the "triton" CPU backend) is Triton; the rest run the reference.
-TRITON_KERNELS: frozenset[str] = frozenset()
+TRITON_KERNELS: frozenset[str] = frozenset({"recurrent", "recurrent_bwd", "recurrent_update_"})
 
 _cpu_backend = os.environ.get("KDA_OPS_CPU_BACKEND", "reference")
 
@@ -194,6 +199,55 @@ chunk = _forward("chunk", reference.chunk_fwd)
 recurrent = _forward("recurrent", reference.recurrent_fwd)
 chunk_bwd = _backward("chunk_bwd", _reference_bwd)
 recurrent_bwd = _backward("recurrent_bwd", _reference_bwd)
+
+
+# ----------------------------------------------------------------------------------------------- serving
+
+
+@torch.library.custom_op("kda::recurrent_update_", mutates_args=("state_pool",))
+def recurrent_update_(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    state_indices: Tensor,
+    scale: float,
+    cu_seqlens: Optional[Tensor],
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    lower_bound: Optional[float],
+    use_qk_l2norm_in_kernel: bool,
+    use_gate_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool,
+    allow_neg_eigval: bool,
+) -> Tensor:
+    # Declaring the pool in mutates_args (never returning it) lets torch.compile re-inplace the update and
+    # CUDA graphs capture it: no copy of the pool anywhere.
+    opts = _options(
+        lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval
+    )
+    op = "recurrent_update_"
+    kernel = _triton_kernel(op) if _use_triton(op, q.device) else reference.recurrent_update
+    o: Tensor = kernel(q, k, v, g, beta, state_pool, state_indices, scale, cu_seqlens, A_log, dt_bias, opts)
+    return o
+
+
+@recurrent_update_.register_fake
+def _(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    state_indices: Tensor,
+    scale: float,
+    cu_seqlens: Optional[Tensor],
+    *rest: Any,
+) -> Tensor:
+    return forward_outputs(q, v, cu_seqlens, False)[0]
 
 
 # ---------------------------------------------------------------------------------------------- autograd

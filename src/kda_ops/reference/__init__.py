@@ -5,6 +5,7 @@ from kda_ops.reference.chunk import chunk_bwd, chunk_fwd
 from kda_ops.reference.gates import beta_transform, gate, l2norm
 from kda_ops.reference.naive import naive_recurrent_kda
 from kda_ops.reference.recurrent import recurrent_fwd
+from kda_ops.reference.serving import recurrent_update
 
 __all__ = [
     "Options",
@@ -15,4 +16,5 @@ __all__ = [
     "l2norm",
     "naive_recurrent_kda",
     "recurrent_fwd",
+    "recurrent_update",
 ]
