@@ -107,9 +107,10 @@ def typecheck(session: nox.Session) -> None:
 @nox.session(reuse_venv=False)
 def build(session: nox.Session) -> None:
     """Build the wheel, install it into this fresh venv (no source tree on the path), import it, call it once."""
-    session.install("build")
+    uv = session.venv_backend == "uv"
+    session.install("build[uv]" if uv else "build")
     out = Path(tempfile.mkdtemp(prefix="kda-ops-wheel-"))
-    installer = ["--installer", "uv"] if session.venv_backend == "uv" else []
+    installer = ["--installer", "uv"] if uv else []
     session.run("python", "-m", "build", "--wheel", "--outdir", str(out), *installer)
     wheels = sorted(out.glob("kda_ops-*-py3-none-any.whl"))
     if len(wheels) != 1:
