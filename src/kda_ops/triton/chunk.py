@@ -1,0 +1,126 @@
+"""The chunkwise KDA forward in Triton (seed article, section 6): the driver of the stage kernels.
+
+Per value head, chunks of ``BT = 64`` tokens, incoming state ``S [K, V]`` (``backward.md``, "The chunk, in rows")::
+
+    Gam_i = sum_{j<=i} g_j                                  chunk-local cumulative log decay     (chunk_cumsum)
+    Mqk, Mkk, Qt = s q exp(Gam), Kend = k exp(Gam_last - Gam)                                    (chunk_intra)
+    Tm = (I + Mkk)^-1,  W = Tm diag(beta) Kt,  U = Tm diag(beta) V                               (chunk_solve)
+    E  = U - W S,  S' = diag(exp(Gam_last)) S + Kend^T E    the scan over chunks                 (chunk_state)
+    O  = Qt S + Mqk E                                                                            (chunk_output)
+
+:func:`chunk_fwd` (the kernel of ``torch.ops.kda.chunk``) runs two kernels: stages 1-3 fused per chunk
+(:mod:`~kda_ops.triton.chunk_prepare`), then the scan with the outputs fused in. :func:`chunk_fwd_staged` runs
+the five stages one by one, each through memory: the same math, readable, and a cross-check.
+
+Variable length: the flat token stream (a dense batch ``[B, T]`` is ``B`` sequences of ``T``) is split into a
+static ``cdiv(B*T, BT) + N`` chunk slots built on the device from ``cu_seqlens``; nothing reads a value on the
+host and nothing is allocated by value, so one compiled graph and one captured CUDA graph serve every
+``cu_seqlens`` with the same ``T`` and ``N``. Call :func:`kda_ops.warmup` before a capture: it autotunes.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from kda_ops.common import Options, forward_outputs, state_dtype
+from kda_ops.triton.chunk_common import BT, Precision, contiguous, precision_for
+from kda_ops.triton.chunk_intra import chunk_intra
+from kda_ops.triton.chunk_output import chunk_output
+from kda_ops.triton.chunk_prepare import chunk_prepare
+from kda_ops.triton.chunk_solve import chunk_solve
+from kda_ops.triton.chunk_state import chunk_state
+from kda_ops.triton.debug import poison
+from kda_ops.varlen import chunk_slots, flat_cu_seqlens
+
+
+def _flat(x: Tensor) -> Tensor:
+    """``[B, T, ...]`` to the flat token stream ``[B*T, ...]`` (contiguous)."""
+    return contiguous(x).flatten(0, 1)
+
+
+def chunk_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    opts: Options,
+    output_final_state: bool,
+    precision: Precision | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``o [B, T, HV, V]`` in v's dtype and the final state ``[N, HV, K, V]`` fp32 (``(0,)`` when not asked).
+
+    The signature of ``reference.chunk_fwd`` (chunk size fixed at 64); ``precision`` defaults to
+    :func:`~kda_ops.triton.chunk_common.precision_for` of v's dtype.
+    """
+    B, T = q.shape[:2]
+    v = contiguous(v)
+    o, final = forward_outputs(q, v, cu_seqlens, output_final_state)
+    h0 = None if initial_state is None else contiguous(initial_state.to(state_dtype(v)))
+    if B * T == 0:
+        return o, _no_tokens(final, h0, output_final_state)
+    p = precision or precision_for(v.dtype)
+    cu = flat_cu_seqlens(cu_seqlens, B, T, v.device)
+    slots = chunk_slots(cu, B * T, BT)
+    poison(o, final)
+    # stages 1-3, fused per chunk: Gam; Mqk, Mkk, Qt, Kend; Tm = (I + Mkk)^-1, W = Tm beta Kt, U = Tm beta V
+    Mqk, W, U, Qt, Kend, Gl = chunk_prepare(
+        _flat(q), _flat(k), _flat(v), _flat(g), _flat(beta), scale, slots, A_log, dt_bias, opts, p
+    )
+    # stages 4-5, fused: E = U - W S;  O = Qt S + Mqk E;  S' = exp(Gam_last) S + Kend^T E
+    chunk_state(W, U, Kend, Gl, h0, cu, p, final=final if output_final_state else None,
+                outputs=(Qt, Mqk, o.view(B * T, *o.shape[2:])))  # fmt: skip
+    return o, final
+
+
+def chunk_fwd_staged(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    opts: Options,
+    output_final_state: bool,
+    precision: Precision | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`chunk_fwd` one stage at a time, every intermediate through memory (same contract)."""
+    B, T = q.shape[:2]
+    v = contiguous(v)
+    o, final = forward_outputs(q, v, cu_seqlens, output_final_state)
+    h0 = None if initial_state is None else contiguous(initial_state.to(state_dtype(v)))
+    if B * T == 0:
+        return o, _no_tokens(final, h0, output_final_state)
+    p = precision or precision_for(v.dtype)
+    cu = flat_cu_seqlens(cu_seqlens, B, T, v.device)
+    slots = chunk_slots(cu, B * T, BT)
+    qf, kf, vf, gf, bf = (_flat(x) for x in (q, k, v, g, beta))
+    Mqk, Mkk, Qt, Kend, Gl = chunk_intra(qf, kf, gf, bf, scale, slots, A_log, dt_bias, opts, p)
+    Tm, W, U = chunk_solve(Mkk, kf, vf, gf, bf, slots, A_log, dt_bias, opts, p)
+    poison(final)
+    Hin, E = chunk_state(W, U, Kend, Gl, h0, cu, p, final=final if output_final_state else None, store_states=True)
+    assert Hin is not None and E is not None
+    o.view(B * T, *o.shape[2:]).copy_(chunk_output(Qt, Mqk, Hin, E, slots, p, o.dtype))
+    return o, final
+
+
+def _no_tokens(final: Tensor, h0: Tensor | None, output_final_state: bool) -> Tensor:
+    """The final state when there is no token at all: the initial state (or zeros)."""
+    if output_final_state:
+        if h0 is None:
+            final.zero_()
+        else:
+            final.copy_(h0)
+    return final
+
+
+__all__ = ["chunk_fwd", "chunk_fwd_staged"]

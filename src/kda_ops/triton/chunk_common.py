@@ -1,0 +1,217 @@
+"""Shared pieces of the chunk kernels: chunk geometry, per-product precision, register-block loads and stores.
+
+Geometry. A chunk is ``BT = 64`` consecutive tokens of one sequence, held in registers as ``NB = 4`` row blocks of
+``BC = 16`` tokens: a register block ``x3 [NB, BC, BK]`` keeps row ``I * BC + r`` of the chunk at ``x3[I, r]``.
+The 16-row blocks are what keeps the decays overflow-free (``chunk_intra``) and what the solve merges
+(``chunk_solve``).
+
+Precision. Every matrix product of the pipeline goes through :func:`mm` with a compile-time precision string:
+``"bf16"`` (operands rounded to bf16, fp32 accumulation: tensor cores at full rate), ``"tf32"``, ``"tf32x3"`` or
+``"ieee"`` (fp32 operands; ``"ieee"`` is exact fp32). :class:`Precision` names one per product and the storage
+dtype of the per-chunk factors; :func:`precision_for` gives the default for an input dtype, and
+:func:`use_precision` overrides it (the benchmark measures the alternatives with it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+BT = 64  # tokens per chunk
+BC = 16  # tokens per row block: the unit of the overflow-free decays and of the solve
+NB = BT // BC
+
+# Largest within-block span of the cumulative log decay (in nats) for which a diagonal 16x16 block is formed as a
+# factored product: its factors are then at most exp(60) ~ 1e26, far from fp32/bf16 overflow (3e38) even after
+# summing 256 products of entries ~10. Blocks with a larger span (a hard reset, g ~ -1000) take the exact pairwise
+# path instead.
+FACTOR_SPAN = 60.0
+
+PRECISIONS = ("bf16", "tf32", "tf32x3", "ieee")
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def autotune_configs(configs: list[Any]) -> list[Any]:
+    """``configs``, or only the first under the interpreter (which cannot benchmark several)."""
+    return configs[:1] if interpreting() else configs
+
+
+def compute_dtype(x: Tensor) -> Any:
+    """Triton compute type: fp64 for fp64 inputs (exact checks), fp32 otherwise."""
+    return tl.float64 if x.dtype == torch.float64 else tl.float32
+
+
+def contiguous(x: Tensor) -> Tensor:
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def pow2(n: int, lo: int = 16) -> int:
+    """``next_power_of_2(n)``, at least ``lo`` (``tl.dot`` needs every dimension >= 16)."""
+    return max(lo, triton.next_power_of_2(n))
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Per-product precision of the chunk pipeline (each one of :data:`PRECISIONS`) and the storage dtype.
+
+    intra:  the chunk's Mqk and Mkk (products of decayed keys and queries)
+    solve:  the merge products of the block forward substitution ``(I + Mkk)^-1`` (its 16x16 blocks are always
+            solved elementwise in the compute dtype)
+    wy:     ``W = Tm diag(beta) Kt`` and ``U = Tm diag(beta) V``
+    scan:   ``W S`` and ``Kend^T E`` in the state scan (the sequential critical path)
+    output: ``Qt S`` and ``Mqk E``
+    store:  dtype of the stored per-chunk factors W, U, Qt, Kend, Mqk (None: the compute dtype)
+    """
+
+    intra: str = "ieee"
+    solve: str = "ieee"
+    wy: str = "ieee"
+    scan: str = "ieee"
+    output: str = "ieee"
+    store: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name != "store" and value not in PRECISIONS:
+                raise ValueError(f"Precision.{f.name}: expected one of {PRECISIONS}, got {value!r}")
+
+
+# Defaults per input dtype. fp32 inputs promise <= 1e-4 relative error: exact fp32 products everywhere.
+# 16-bit inputs: bf16 tensor-core products where a factor is stored in bf16 anyway (the scan and the output read
+# bf16 factors), tf32 where the operands are fresh fp32 products of decays (intra, WY), fp32 in the solve.
+# TODO(bench): confirm each choice with `python benchmarks/bench_chunk.py --precision-sweep` on the H200.
+_DEFAULTS: dict[torch.dtype, Precision] = {
+    torch.float64: Precision(),
+    torch.float32: Precision(),
+    torch.float16: Precision("tf32", "ieee", "tf32", "bf16", "bf16", torch.bfloat16),
+    torch.bfloat16: Precision("tf32", "ieee", "tf32", "bf16", "bf16", torch.bfloat16),
+}
+_override: dict[torch.dtype, Precision] = {}
+
+
+@contextlib.contextmanager
+def use_precision(dtype: torch.dtype, precision: Precision) -> Iterator[None]:
+    """Run chunk kernels on ``dtype`` inputs with ``precision`` instead of the default (benchmarks, studies)."""
+    old = _override.get(dtype)
+    _override[dtype] = precision
+    try:
+        yield
+    finally:
+        if old is None:
+            _override.pop(dtype, None)
+        else:
+            _override[dtype] = old
+
+
+def precision_for(dtype: torch.dtype) -> Precision:
+    """The precision used for inputs of ``dtype``: fp64 is exact everywhere; the interpreter upcasts bf16 products
+    (its bf16 ``tl.dot`` is wrong, triton-lang/triton#11584) while keeping the bf16 storage."""
+    p = _override.get(dtype, _DEFAULTS[dtype])
+    if dtype == torch.float64:
+        return Precision(store=torch.float64)
+    if interpreting():
+        upcast: dict[str, Any] = {f.name: "ieee" for f in fields(p) if getattr(p, f.name) == "bf16"}
+        p = replace(p, **upcast)
+    return p if p.store is not None else replace(p, store=torch.float32)
+
+
+# ------------------------------------------------------------------------------------------- jit helpers
+
+
+@triton.jit
+def mm(a, b, PREC: tl.constexpr, DT: tl.constexpr):
+    """``a @ b`` (2-D, or 3-D batched) accumulated in ``DT``, operands at precision ``PREC``."""
+    if PREC == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16)).to(DT)
+    else:
+        return tl.dot(a.to(DT), b.to(DT), input_precision=PREC)
+
+
+@triton.jit
+def chunk_rows(NB: tl.constexpr, BC: tl.constexpr):
+    """Row of the chunk held at ``[I, r]`` of a register block: ``I * BC + r``, shaped ``[NB, BC, 1]``."""
+    return (tl.arange(0, NB)[:, None] * BC + tl.arange(0, BC)[None, :])[:, :, None]
+
+
+@triton.jit
+def load3(ptr, tok3, m3, stride, o_k, m_k, DT: tl.constexpr):
+    """``x[tok, o_k]`` as a register block ``[NB, BC, BK]`` in ``DT`` (0 outside the masks); row stride ``stride``."""
+    p = ptr + tok3 * stride + o_k[None, None, :]
+    return tl.load(p, mask=m3 & m_k[None, None, :], other=0.0).to(DT)
+
+
+@triton.jit
+def store3(ptr, tok3, m3, stride, o_k, m_k, x):
+    p = ptr + tok3 * stride + o_k[None, None, :]
+    tl.store(p, x.to(ptr.dtype.element_ty), mask=m3 & m_k[None, None, :])
+
+
+@triton.jit
+def load2(ptr, tok, m, stride, o_k, m_k, DT: tl.constexpr):
+    """``x[tok, o_k]`` as ``[BT, BK]`` in ``DT`` (0 outside the masks)."""
+    p = ptr + tok[:, None] * stride + o_k[None, :]
+    return tl.load(p, mask=m[:, None] & m_k[None, :], other=0.0).to(DT)
+
+
+@triton.jit
+def store2(ptr, tok, m, stride, o_k, m_k, x):
+    p = ptr + tok[:, None] * stride + o_k[None, :]
+    tl.store(p, x.to(ptr.dtype.element_ty), mask=m[:, None] & m_k[None, :])
+
+
+@triton.jit
+def rnorm3(ptr, tok3, m3, stride, K: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr,
+           DT: tl.constexpr):
+    """``1 / sqrt(sum_d x[tok, d]^2 + 1e-6)`` per row, ``[NB, BC, 1]``: the l2norm factor over the whole key dim."""
+    ss = tl.zeros((NB, BC), dtype=DT)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        x = load3(ptr, tok3, m3, stride, o_k, o_k < K, DT)
+        ss += tl.sum(x * x, axis=2)
+    return (1.0 / tl.sqrt(ss + 1e-6))[:, :, None]
+
+
+@triton.jit
+def beta_value(x, USE_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
+    """``sigmoid(x)`` when asked, times 2 with negative eigenvalues (``reference/gates.py``)."""
+    if USE_SIGMOID:
+        x = 1.0 / (1.0 + tl.exp(-x))
+    if NEG_EIGVAL:
+        x = x * 2.0
+    return x
+
+
+@triton.jit
+def load_beta3(ptr, tok3, m3, HV, i_hv, USE_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, DT: tl.constexpr):
+    """beta of the chunk's rows, ``[NB, BC, 1]``, 0 on padding rows."""
+    x = tl.load(ptr + tok3 * HV + i_hv, mask=m3, other=0.0).to(DT)
+    return tl.where(m3, beta_value(x, USE_SIGMOID, NEG_EIGVAL), 0.0)
+
+
+@triton.jit
+def load_beta2(ptr, tok, m, HV, i_hv, USE_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, DT: tl.constexpr):
+    """beta of the chunk's rows, ``[BT]``, 0 on padding rows."""
+    x = tl.load(ptr + tok * HV + i_hv, mask=m, other=0.0).to(DT)
+    return tl.where(m, beta_value(x, USE_SIGMOID, NEG_EIGVAL), 0.0)
+
+
+@triton.jit
+def slot_rows(slot_start, slot_count, i_c, NB: tl.constexpr, BC: tl.constexpr):
+    """Tokens of chunk slot ``i_c``: ``(count, tok3 [NB, BC, 1] int64, m3)`` (``m3``: the row holds a token)."""
+    count = tl.load(slot_count + i_c).to(tl.int32)
+    start = tl.load(slot_start + i_c).to(tl.int64)
+    r3 = chunk_rows(NB, BC)
+    return count, start + r3, r3 < count

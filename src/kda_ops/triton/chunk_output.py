@@ -1,0 +1,70 @@
+"""Stage 5: the outputs ``O = Qt S + Mqk E`` of every chunk, from the state ``S`` entering it.
+
+``Qt S`` reads the decayed incoming state; ``Mqk E`` adds the causal contributions of the writes made inside the
+chunk (the diagonal included: KDA reads after writing). The production path computes this inside the state scan
+(:mod:`~kda_ops.triton.chunk_state`, ``FUSE_OUTPUT``), where ``S`` and ``E`` are already in registers, so the
+states of every chunk never travel through memory; the standalone kernel here reads them (the staged pipeline).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kda_ops.triton.chunk_common import BT, Precision, compute_dtype, contiguous, load2, mm, pow2, store2
+from kda_ops.triton.debug import poison
+from kda_ops.varlen import ChunkSlots
+
+
+@triton.jit
+def output_tile(qt, S, A, E, PREC: tl.constexpr, DT: tl.constexpr):
+    """``Qt S + Mqk E``: ``qt [BT, BK]``, ``S [BK, BV]``, ``A = Mqk [BT, BT]``, ``E [BT, BV]``."""
+    return mm(qt, S, PREC, DT) + mm(A, E, PREC, DT)
+
+
+@triton.jit
+def chunk_output_kernel(
+    Qt, Mqk, Hin, E, o, slot_start, slot_count, HV,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    PREC: tl.constexpr, DT: tl.constexpr,
+):  # fmt: skip
+    i_v, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    count = tl.load(slot_count + i_c).to(tl.int32)
+    if count == 0:
+        return
+    rows = tl.arange(0, BT)
+    tok = tl.load(slot_start + i_c).to(tl.int64) + rows
+    m = rows < count
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    qt = load2(Qt + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
+    A = load2(Mqk + i_hv * BT, tok, m, HV * BT, rows, rows < BT, DT)
+    Ec = load2(E + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
+    p_s = Hin + (i_c.to(tl.int64) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+    S = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0).to(DT)
+    store2(o + i_hv * V, tok, m, HV * V, o_v, m_v, output_tile(qt, S, A, Ec, PREC, DT))
+
+
+def chunk_output(
+    Qt: Tensor, Mqk: Tensor, Hin: Tensor, E: Tensor, slots: ChunkSlots, precision: Precision, out_dtype: torch.dtype
+) -> Tensor:
+    """``o [T, HV, V]`` in ``out_dtype``: ``Qt [T, HV, K]``, ``Mqk [T, HV, BT]``, ``Hin [NC, HV, K, V]`` (the state
+    entering each slot), ``E [T, HV, V]`` (the resolved errors)."""
+    T, HV, K = Qt.shape
+    V = E.shape[2]
+    NC = slots.start.shape[0]
+    o = E.new_empty(T, HV, V, dtype=out_dtype)
+    poison(o)
+    BV = min(pow2(V), 64)
+    chunk_output_kernel[(triton.cdiv(V, BV), NC, HV)](
+        contiguous(Qt), contiguous(Mqk), contiguous(Hin), contiguous(E), o, slots.start, slots.count, HV,
+        K=K, V=V, BK=pow2(K), BV=BV, BT=BT, PREC=precision.output, DT=compute_dtype(Hin),
+    )  # fmt: skip
+    return o
+
+
+__all__ = ["chunk_output", "output_tile"]

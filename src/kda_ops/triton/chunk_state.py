@@ -1,0 +1,169 @@
+"""Stage 4: the inter-chunk state scan, the only sequential part of the chunkwise forward (stage 5 fused in).
+
+One program per (sequence, value head, value tile) holds the state tile ``S [K, BV]`` in registers (fp32) and walks
+the sequence's chunks in order::
+
+    E  = U - W S                                   resolved errors of the chunk       [BT, BV]
+    O  = Qt S + Mqk E                              outputs (FUSE_OUTPUT)              [BT, BV]
+    S' = diag(exp(Gam_last)) S + Kend^T E          the state entering the next chunk
+
+The sequence's bounds come from ``cu_seqlens`` on the device and its chunks are slots ``chunk_off[n] ..`` of the
+chunk-slot map, so the grid is ``(cdiv(V, BV), N * HV)`` whatever the lengths: one CUDA graph serves every
+``cu_seqlens`` of one size. Fusing the outputs into the scan means the per-chunk states ``[NC, HV, K, V]`` (1 GB
+in fp32 at T = 32k, HV = 32, K = V = 128) are never written; ``STORE_STATES`` writes them, and ``E``, for the
+staged pipeline and the tests.
+
+Value tiles: the programs are independent across ``V``, so ``BV`` trades parallelism (``N * HV * V / BV`` programs
+for the machine's SMs) against re-reading ``W``, ``Qt``, ``Kend`` once per tile (from L2).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kda_ops.triton.chunk_common import (
+    BT,
+    Precision,
+    autotune_configs,
+    compute_dtype,
+    contiguous,
+    load2,
+    mm,
+    pow2,
+    store2,
+)
+from kda_ops.triton.chunk_output import output_tile
+from kda_ops.triton.debug import poison
+
+# None: pick BV from the machine (scan_block_v); an int forces it (benchmarks sweep it).
+BV_OVERRIDE: int | None = None
+BV_CHOICES = (64, 32, 16)
+# Programs per SM below which BV halves: one program per SM leaves the scan's latency exposed; 0.8 keeps
+# 32 heads x 4 tiles = 128 programs on a 132-SM H200 at BV = 32 rather than halving to 16.
+# TODO(bench): justify with `python benchmarks/bench_chunk.py --sweep-bv` on the H200.
+MIN_PROGRAMS_PER_SM = 0.8
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def scan_block_v(V: int, programs: int, device: torch.device) -> int:
+    """The value tile of the scan: the largest of :data:`BV_CHOICES` (capped at V) that keeps enough programs."""
+    if BV_OVERRIDE is not None:
+        return BV_OVERRIDE
+    cap = pow2(V)
+    choices = [bv for bv in BV_CHOICES if bv <= cap] or [16]
+    for bv in choices:
+        if triton.cdiv(V, bv) * programs >= MIN_PROGRAMS_PER_SM * _num_sms(device):
+            return bv
+    return choices[-1]
+
+
+_CONFIGS = autotune_configs(
+    [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 1), (4, 3), (8, 2), (8, 1))]
+)
+
+
+@triton.autotune(configs=_CONFIGS, key=["K", "V", "BV", "FUSE_OUTPUT", "STORE_STATES", "PREC_SCAN", "PREC_OUT"])
+@triton.jit
+def chunk_state_kernel(
+    W, U, Kend, Gl, h0, final, Qt, Mqk, o, Hin, E, cu, chunk_off, HV,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr, FUSE_OUTPUT: tl.constexpr, STORE_STATES: tl.constexpr,
+    PREC_SCAN: tl.constexpr, PREC_OUT: tl.constexpr, DT: tl.constexpr,
+):  # fmt: skip
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    c0 = tl.load(chunk_off + i_n).to(tl.int64)
+    rows = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_s = m_k[:, None] & m_v[None, :]
+    p_s = o_k[:, None] * V + o_v[None, :]
+    s_off = (i_n.to(tl.int64) * HV + i_hv) * K * V
+    if USE_H0:
+        S = tl.load(h0 + s_off + p_s, mask=m_s, other=0.0).to(DT)
+    else:
+        S = tl.zeros((BK, BV), dtype=DT)
+    for j in range(tl.cdiv(eos - bos, BT)):
+        tok = bos + j * BT + rows
+        m = tok < eos
+        c = c0 + j
+        w = load2(W + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
+        u = load2(U + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
+        ke = load2(Kend + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
+        gl = tl.load(Gl + (c * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(DT)
+        Ec = u - mm(w, S, PREC_SCAN, DT)
+        if STORE_STATES:
+            tl.store(Hin + (c * HV + i_hv) * K * V + p_s, S.to(Hin.dtype.element_ty), mask=m_s)
+            store2(E + i_hv * V, tok, m, HV * V, o_v, m_v, Ec)
+        if FUSE_OUTPUT:
+            qt = load2(Qt + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
+            A = load2(Mqk + i_hv * BT, tok, m, HV * BT, rows, rows < BT, DT)
+            store2(o + i_hv * V, tok, m, HV * V, o_v, m_v, output_tile(qt, S, A, Ec, PREC_OUT, DT))
+        S = S * tl.exp(gl)[:, None] + mm(tl.trans(ke), Ec, PREC_SCAN, DT)
+    if STORE_FINAL:
+        tl.store(final + s_off + p_s, S.to(final.dtype.element_ty), mask=m_s)
+
+
+def chunk_offsets(cu: Tensor) -> Tensor:
+    """First chunk slot of each sequence, ``[N]`` int64: the exclusive prefix sum of ``cdiv(len, BT)``."""
+    n = (cu[1:] - cu[:-1] + BT - 1) // BT
+    return torch.cumsum(n, 0) - n
+
+
+def chunk_state(
+    W: Tensor,
+    U: Tensor,
+    Kend: Tensor,
+    Gl: Tensor,
+    h0: Tensor | None,
+    cu: Tensor,
+    precision: Precision,
+    *,
+    final: Tensor | None = None,
+    outputs: tuple[Tensor, Tensor, Tensor] | None = None,
+    store_states: bool = False,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Run the scan over the chunks of every sequence of ``cu`` (sanitized, int64, over the flat token stream).
+
+    ``W, Kend [T, HV, K]``, ``U [T, HV, V]``, ``Gl [NC, HV, K]`` (per chunk slot), ``h0 [N, HV, K, V]`` or None.
+    Writes ``final [N, HV, K, V]`` if given, and with ``outputs = (Qt, Mqk, o)`` the outputs into ``o [T, HV, V]``.
+    Returns ``(Hin [NC, HV, K, V], E [T, HV, V])`` in the compute dtype with ``store_states``, else ``(None, None)``.
+    """
+    T, HV, K = W.shape
+    V = U.shape[2]
+    NC = Gl.shape[0]
+    N = cu.shape[0] - 1
+    dt = torch.float64 if Gl.dtype == torch.float64 else torch.float32
+    Hin = E = None
+    if store_states:
+        Hin = W.new_empty(NC, HV, K, V, dtype=dt)
+        E = W.new_empty(T, HV, V, dtype=dt)
+        poison(Hin, E)
+    Qt, Mqk, o = outputs if outputs is not None else (None, None, None)
+    BV = scan_block_v(V, N * HV, W.device)
+    chunk_state_kernel[(triton.cdiv(V, BV), N * HV)](
+        contiguous(W), contiguous(U), contiguous(Kend), Gl, h0, final, Qt, Mqk, o, Hin, E, cu, chunk_offsets(cu), HV,
+        K=K, V=V, BK=pow2(K), BV=BV, BT=BT, USE_H0=h0 is not None, STORE_FINAL=final is not None,
+        FUSE_OUTPUT=outputs is not None, STORE_STATES=store_states, PREC_SCAN=precision.scan,
+        PREC_OUT=precision.output, DT=compute_dtype(Gl),
+    )  # fmt: skip
+    return Hin, E
+
+
+__all__ = ["BV_OVERRIDE", "chunk_offsets", "chunk_state", "scan_block_v"]
