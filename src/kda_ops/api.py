@@ -106,9 +106,9 @@ def _validate(
         if lower_bound is not None and not (isinstance(lower_bound, (int, float)) and math.isfinite(lower_bound)):
             _fail(ValueError, "lower_bound", "a finite float", lower_bound)
     else:
-        for name, x in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
-            if x is not None:
-                _fail(ValueError, name, "None unless use_gate_in_kernel=True", type(x).__name__)
+        for name, given in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
+            if given is not None:
+                _fail(ValueError, name, "None unless use_gate_in_kernel=True", type(given).__name__)
 
     devices = {name: x.device for name, x in tensors.items()}
     if len(set(devices.values())) > 1:
@@ -116,7 +116,7 @@ def _validate(
         _fail(ValueError, odd[0].split(" ")[0], f"every tensor on q's device {q.device}", ", ".join(odd))
 
     if scale is None:
-        return float(K) ** -0.5
+        return float(K**-0.5)
     if isinstance(scale, Tensor) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         _fail(TypeError, "scale", "a finite Python float (a new value recompiles a compiled graph)", scale)
     return float(scale)
