@@ -66,7 +66,10 @@ class KDALayer(nn.Module):
         cu_seqlens: Tensor | None = None,
         recurrent: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
-        """``x [B, T, hidden]`` to ``(y [B, T, hidden], final_state or None)``; ``recurrent`` picks the decode schedule."""
+        """``x [B, T, hidden]`` to ``(y [B, T, hidden], final_state or None)``.
+
+        ``recurrent`` picks the decode schedule (:func:`kda_ops.recurrent_kda`) instead of the chunkwise one.
+        """
         B, T, _ = x.shape
         H, HV, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim
         q = self.q_proj(x).view(B, T, H, K)

@@ -9,7 +9,8 @@ Schemas (``torch.ops.kda.*``)::
 
     chunk(q, k, v, g, beta, float scale, Tensor? initial_state, Tensor? cu_seqlens, Tensor? A_log,
           Tensor? dt_bias, float? lower_bound, bool output_final_state, bool use_qk_l2norm_in_kernel,
-          bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval) -> (Tensor o, Tensor final_state)
+          bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval)
+        -> (Tensor o, Tensor final_state)
     recurrent(...)                      same schema as chunk
     chunk_bwd(do, Tensor? dht, q, k, v, g, beta, float scale, Tensor? initial_state, Tensor? cu_seqlens,
               Tensor? A_log, Tensor? dt_bias, float? lower_bound, bool use_qk_l2norm_in_kernel,
@@ -39,7 +40,7 @@ from kda_ops import reference
 from kda_ops.common import Options, backward_outputs, forward_outputs
 
 # Ops whose CUDA kernel (and CPU kernel under the "triton" CPU backend) is Triton; the rest run the reference.
-TRITON_KERNELS: frozenset[str] = frozenset({"recurrent", "recurrent_bwd", "recurrent_update_"})
+TRITON_KERNELS: frozenset[str] = frozenset({"chunk", "recurrent", "recurrent_bwd", "recurrent_update_"})
 
 _cpu_backend = os.environ.get("KDA_OPS_CPU_BACKEND", "reference")
 
@@ -101,9 +102,11 @@ def _forward(op: str, ref: Callable[..., tuple[Tensor, Tensor]]) -> Any:
         use_beta_sigmoid_in_kernel: bool,
         allow_neg_eigval: bool,
     ) -> tuple[Tensor, Tensor]:
-        opts = _options(lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+        opts = _options(
+            lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval
+        )
         kernel = _triton_kernel(op) if _use_triton(op, q.device) else ref
-        return kernel(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts, output_final_state)  # type: ignore[no-any-return]
+        return kernel(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts, output_final_state)
 
     @fwd.register_fake
     def _(
@@ -149,7 +152,9 @@ def _backward(op: str, ref: Callable[..., tuple[Optional[Tensor], ...]]) -> Any:
         use_beta_sigmoid_in_kernel: bool,
         allow_neg_eigval: bool,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        opts = _options(lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+        opts = _options(
+            lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval
+        )
         kernel = _triton_kernel(op) if _use_triton(op, q.device) else ref
         grads = kernel(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts)
         # a fresh empty tensor each: outputs of a custom op may not alias one another
