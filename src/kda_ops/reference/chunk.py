@@ -98,27 +98,24 @@ def _scatter(x: Tensor, index: Tensor, T: int) -> Tensor:
     return out[:T]
 
 
-def _forward(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, h0: Tensor, cu: Tensor, C: int
-) -> ChunkState:
-    """The chunk pipeline on prepared flat tensors ``[T, HV, ...]`` with state ``h0 [N, HV, K, V]``."""
-    T, HV, K = k.shape
-    V = v.shape[-1]
-    N = cu.shape[0] - 1
-    slots = chunk_slots(cu, T, C)
-    rows = torch.arange(C, device=cu.device)
-    index = torch.where(rows < slots.count[:, None], slots.start[:, None] + rows, T)
-    qc, kc, vc, gc, bc = (_gather(x, index) for x in (q, k, v, g, beta))
-    Gam = chunk_local_cumsum(gc)
-    Mqk, Mkk = intra_chunk(qc, kc, bc, Gam, scale)
-    Tm = solve_unit_lower(Mkk)
-    W, U = wy_factors(Tm, kc, vc, bc, Gam)
-    Gl = Gam[..., -1, :]
-    Kend = kc * (Gl.unsqueeze(-2) - Gam).exp()
-    # the one sequential part: the scan over chunk slots, resetting at each sequence's first chunk
+def slot_index(slots: ChunkSlots, C: int, T: int) -> Tensor:
+    """``[NC, C]``: the token of each slot row, or the spare index ``T`` where the row is padding."""
+    rows = torch.arange(C, device=slots.start.device)
+    return torch.where(rows < slots.count[:, None], slots.start[:, None] + rows, T)
+
+
+def state_scan(
+    W: Tensor, U: Tensor, Kend: Tensor, Gl: Tensor, h0: Tensor, slots: ChunkSlots
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The one sequential part: the scan over chunk slots, resetting at each sequence's first chunk.
+
+    ``W, Kend [NC, HV, C, K]``, ``U [NC, HV, C, V]``, ``Gl [NC, HV, K]``, ``h0 [N, HV, K, V]``. Returns the state
+    entering each slot ``Hin [NC, HV, K, V]``, the resolved errors ``E [NC, HV, C, V]`` and the final states.
+    """
+    N, HV, K, V = h0.shape
     S = h0.new_zeros(HV, K, V)
     Hin, Es, Souts = [], [], []
-    for c in range(index.shape[0]):
+    for c in range(W.shape[0]):
         S = torch.where(slots.first[c], h0[slots.seq[c]], S)
         Hin.append(S)
         E = U[c] - W[c] @ S
@@ -127,9 +124,25 @@ def _forward(
         Souts.append(S)
     final = torch.cat([h0, h0.new_zeros(1, HV, K, V)])
     final = final.index_copy(0, torch.where(slots.last, slots.seq, N), torch.stack(Souts))[:N]
-    return ChunkState(
-        slots, index, qc, kc, vc, gc, bc, Gam, Mqk, Mkk, Tm, W, U, torch.stack(Hin), torch.stack(Es), final
-    )
+    return torch.stack(Hin), torch.stack(Es), final
+
+
+def _forward(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, h0: Tensor, cu: Tensor, C: int
+) -> ChunkState:
+    """The chunk pipeline on prepared flat tensors ``[T, HV, ...]`` with state ``h0 [N, HV, K, V]``."""
+    T = k.shape[0]
+    slots = chunk_slots(cu, T, C)
+    index = slot_index(slots, C, T)
+    qc, kc, vc, gc, bc = (_gather(x, index) for x in (q, k, v, g, beta))
+    Gam = chunk_local_cumsum(gc)
+    Mqk, Mkk = intra_chunk(qc, kc, bc, Gam, scale)
+    Tm = solve_unit_lower(Mkk)
+    W, U = wy_factors(Tm, kc, vc, bc, Gam)
+    Gl = Gam[..., -1, :]
+    Kend = kc * (Gl.unsqueeze(-2) - Gam).exp()
+    Hin, E, final = state_scan(W, U, Kend, Gl, h0, slots)
+    return ChunkState(slots, index, qc, kc, vc, gc, bc, Gam, Mqk, Mkk, Tm, W, U, Hin, E, final)
 
 
 def _outputs(st: ChunkState, scale: float) -> Tensor:

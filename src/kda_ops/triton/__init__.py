@@ -7,10 +7,12 @@ of the op's reference kernel. Nothing here imports :mod:`kda_ops.reference`: the
 from collections.abc import Callable
 from typing import Any
 
+from kda_ops.triton.chunk import chunk_fwd
 from kda_ops.triton.recurrent import recurrent_fwd, recurrent_update
 from kda_ops.triton.recurrent_bwd import recurrent_bwd
 
 KERNELS: dict[str, Callable[..., Any]] = {
+    "chunk": chunk_fwd,
     "recurrent": recurrent_fwd,
     "recurrent_bwd": recurrent_bwd,
     "recurrent_update_": recurrent_update,
