@@ -89,13 +89,15 @@ class Precision:
                 raise ValueError(f"Precision.{f.name}: expected one of {PRECISIONS}, got {value!r}")
 
 
-# Defaults per input dtype. fp32 inputs promise <= 1e-4 relative error: exact fp32 products everywhere.
-# 16-bit inputs: bf16 tensor-core products where a factor is stored in bf16 anyway (the scan and the output read
-# bf16 factors), tf32 where the operands are fresh fp32 products of decays (intra, WY), fp32 in the solve.
+# Defaults per input dtype. fp32 inputs promise <= 1e-4 relative error: exact fp32 products in the chunk-local
+# stages; 3xTF32 (~2e-7 per product) in the scan and the output, whose exact-fp32 form compiles for sm_90 to a
+# CUDA-core product that spills 8 KB per thread (ptxas, K = V = 128). 16-bit inputs: bf16 tensor-core products
+# where a factor is stored in bf16 anyway (the scan and the output read bf16 factors), tf32 where the operands are
+# fresh fp32 products of decays (intra, WY), fp32 in the solve.
 # TODO(bench): confirm each choice with `python benchmarks/bench_chunk.py --precision-sweep` on the H200.
 _DEFAULTS: dict[torch.dtype, Precision] = {
     torch.float64: Precision(),
-    torch.float32: Precision(),
+    torch.float32: Precision(scan="tf32x3", output="tf32x3"),
     torch.float16: Precision("tf32", "ieee", "tf32", "bf16", "bf16", torch.bfloat16),
     torch.bfloat16: Precision("tf32", "ieee", "tf32", "bf16", "bf16", torch.bfloat16),
 }
@@ -141,6 +143,17 @@ def mm(a, b, PREC: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
+def col_mask(o_k, K: tl.constexpr, BK: tl.constexpr):
+    """``o_k < K``; a constant ``True`` when ``BK`` divides ``K``, so that the compiler sees the columns unmasked and
+    vectorizes the loads (a per-element mask costs a 64-bit pointer per element: 255 registers and spills in the
+    scan at K = 128, measured with ptxas for sm_90)."""
+    if K % BK == 0:
+        return tl.full((BK,), 1, tl.int1)
+    else:
+        return o_k < K
+
+
+@triton.jit
 def chunk_rows(NB: tl.constexpr, BC: tl.constexpr):
     """Row of the chunk held at ``[I, r]`` of a register block: ``I * BC + r``, shaped ``[NB, BC, 1]``."""
     return (tl.arange(0, NB)[:, None] * BC + tl.arange(0, BC)[None, :])[:, :, None]
@@ -167,6 +180,12 @@ def load2(ptr, tok, m, stride, o_k, m_k, DT: tl.constexpr):
 
 
 @triton.jit
+def tile2(ptr, tok, m, stride, o_k, m_k):
+    """``x[tok, o_k]`` as ``[BT, BK]`` in its stored dtype (0 outside the masks): a product operand as loaded."""
+    return tl.load(ptr + tok[:, None] * stride + o_k[None, :], mask=m[:, None] & m_k[None, :], other=0.0)
+
+
+@triton.jit
 def store2(ptr, tok, m, stride, o_k, m_k, x):
     p = ptr + tok[:, None] * stride + o_k[None, :]
     tl.store(p, x.to(ptr.dtype.element_ty), mask=m[:, None] & m_k[None, :])
@@ -179,7 +198,7 @@ def rnorm3(ptr, tok3, m3, stride, K: tl.constexpr, BK: tl.constexpr, NB: tl.cons
     ss = tl.zeros((NB, BC), dtype=DT)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        x = load3(ptr, tok3, m3, stride, o_k, o_k < K, DT)
+        x = load3(ptr, tok3, m3, stride, o_k, col_mask(o_k, K, BK), DT)
         ss += tl.sum(x * x, axis=2)
     return (1.0 / tl.sqrt(ss + 1e-6))[:, :, None]
 

@@ -23,7 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kda_ops.common import Options
-from kda_ops.triton.chunk_common import BC, NB, compute_dtype, contiguous, pow2, slot_rows
+from kda_ops.triton.chunk_common import BC, NB, col_mask, compute_dtype, contiguous, pow2, slot_rows
 from kda_ops.triton.debug import poison
 from kda_ops.varlen import ChunkSlots
 
@@ -88,7 +88,7 @@ def chunk_cumsum_kernel(
     if count == 0:
         return
     o_k = i_k * BK + tl.arange(0, BK)
-    m_k = o_k < K
+    m_k = col_mask(o_k, K, BK)
     g3 = load_log_decay(g + i_hv * K, A_log, dt_bias, tok3, m3, HV * K, o_k, m_k, i_hv, lower_bound, K,
                         USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)  # fmt: skip
     w, s, bs, b, a, gl = chunk_decays(g3, NB)

@@ -35,6 +35,7 @@ from kda_ops.triton.chunk_common import (
     NB,
     Precision,
     chunk_rows,
+    col_mask,
     compute_dtype,
     contiguous,
     load3,
@@ -119,7 +120,7 @@ def intra_pass(q, k, g, A_log, dt_bias, Qt, Kend, Gl, tok3, m3, i_c, i_h, i_hv, 
     Mkk3 = tl.zeros((NB, BC, BT), dtype=DT)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
+        m_k = col_mask(o_k, K, BK)
         qs3 = load3(q + i_h * K, tok3, m3, H * K, o_k, m_k, DT) * (rq3 * scale)
         k3 = load3(k + i_h * K, tok3, m3, H * K, o_k, m_k, DT) * rk3
         g3 = load_log_decay(g + i_hv * K, A_log, dt_bias, tok3, m3, HV * K, o_k, m_k, i_hv, lower_bound, K,
@@ -167,8 +168,8 @@ def chunk_intra_kernel(
     beta3 = load_beta3(beta, tok3, m3, HV, i_hv, BETA_SIGMOID, NEG_EIGVAL, DT)
     Mqk3, Mkk3 = intra_masks(Mqk3, Mkk3, beta3, NB, BC, BT)
     cols = tl.arange(0, BT)
-    store3(Mqk + i_hv * BT, tok3, m3, HV * BT, cols, cols < BT, Mqk3)
-    store3(Mkk + i_hv * BT, tok3, m3, HV * BT, cols, cols < BT, Mkk3)
+    store3(Mqk + i_hv * BT, tok3, m3, HV * BT, cols, col_mask(cols, BT, BT), Mqk3)
+    store3(Mkk + i_hv * BT, tok3, m3, HV * BT, cols, col_mask(cols, BT, BT), Mkk3)
 
 
 def chunk_intra(

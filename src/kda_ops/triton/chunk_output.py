@@ -13,7 +13,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kda_ops.triton.chunk_common import BT, Precision, compute_dtype, contiguous, load2, mm, pow2, store2
+from kda_ops.triton.chunk_common import (
+    BT,
+    Precision,
+    col_mask,
+    compute_dtype,
+    contiguous,
+    load2,
+    mm,
+    pow2,
+    store2,
+    tile2,
+)
 from kda_ops.triton.debug import poison
 from kda_ops.varlen import ChunkSlots
 
@@ -38,11 +49,11 @@ def chunk_output_kernel(
     tok = tl.load(slot_start + i_c).to(tl.int64) + rows
     m = rows < count
     o_k = tl.arange(0, BK)
-    m_k = o_k < K
+    m_k = col_mask(o_k, K, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    qt = load2(Qt + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
-    A = load2(Mqk + i_hv * BT, tok, m, HV * BT, rows, rows < BT, DT)
+    m_v = col_mask(o_v, V, BV)
+    qt = tile2(Qt + i_hv * K, tok, m, HV * K, o_k, m_k)
+    A = tile2(Mqk + i_hv * BT, tok, m, HV * BT, rows, col_mask(rows, BT, BT))
     Ec = load2(E + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
     p_s = Hin + (i_c.to(tl.int64) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
     S = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0).to(DT)

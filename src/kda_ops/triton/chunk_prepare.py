@@ -26,6 +26,7 @@ from kda_ops.triton.chunk_common import (
     NB,
     Precision,
     autotune_configs,
+    col_mask,
     compute_dtype,
     contiguous,
     load_beta3,
@@ -81,7 +82,7 @@ def chunk_prepare_kernel(
     beta3 = load_beta3(beta, tok3, m3, HV, i_hv, BETA_SIGMOID, NEG_EIGVAL, DT)
     Mqk3, Mkk3 = intra_masks(Mqk3, Mkk3, beta3, NB, BC, BT)
     cols = tl.arange(0, BT)
-    store3(Mqk + i_hv * BT, tok3, m3, HV * BT, cols, cols < BT, Mqk3)
+    store3(Mqk + i_hv * BT, tok3, m3, HV * BT, cols, col_mask(cols, BT, BT), Mqk3)
     # stage 3: Tm = (I + Mkk)^-1, W = Tm diag(beta) Kt, U = Tm diag(beta) V
     T2 = tl.reshape(solve_unit_lower(Mkk3, NB, BC, BT, PREC_SOLVE, DT), (BT, BT))
     tok = tl.load(slot_start + i_c).to(tl.int64) + cols

@@ -21,6 +21,7 @@ from kda_ops.triton.chunk_common import (
     BT,
     NB,
     Precision,
+    col_mask,
     compute_dtype,
     contiguous,
     load2,
@@ -77,7 +78,7 @@ def wy_pass(T2, k, v, g, beta, A_log, dt_bias, W, U, tok3, m3, tok, m, i_h, i_hv
     beta3 = load_beta3(beta, tok3, m3, HV, i_hv, BETA_SIGMOID, NEG_EIGVAL, DT)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
+        m_k = col_mask(o_k, K, BK)
         k3 = load3(k + i_h * K, tok3, m3, H * K, o_k, m_k, DT) * rk3
         g3 = load_log_decay(g + i_hv * K, A_log, dt_bias, tok3, m3, HV * K, o_k, m_k, i_hv, lower_bound, K,
                             USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)  # fmt: skip
@@ -87,7 +88,7 @@ def wy_pass(T2, k, v, g, beta, A_log, dt_bias, W, U, tok3, m3, tok, m, i_h, i_hv
     beta2 = load_beta2(beta, tok, m, HV, i_hv, BETA_SIGMOID, NEG_EIGVAL, DT)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
+        m_v = col_mask(o_v, V, BV)
         bv = load2(v + i_hv * V, tok, m, HV * V, o_v, m_v, DT) * beta2[:, None]
         store2(U + i_hv * V, tok, m, HV * V, o_v, m_v, mm(T2, bv, PREC, DT))
 
@@ -106,9 +107,9 @@ def chunk_solve_kernel(
     if count == 0:
         return
     cols = tl.arange(0, BT)
-    N3 = load3(Mkk + i_hv * BT, tok3, m3, HV * BT, cols, cols < BT, DT)
+    N3 = load3(Mkk + i_hv * BT, tok3, m3, HV * BT, cols, col_mask(cols, BT, BT), DT)
     T3 = solve_unit_lower(N3, NB, BC, BT, PREC_SOLVE, DT)
-    store3(Tm + i_hv * BT, tok3, m3, HV * BT, cols, cols < BT, T3)
+    store3(Tm + i_hv * BT, tok3, m3, HV * BT, cols, col_mask(cols, BT, BT), T3)
     if USE_L2NORM:
         rk3 = rnorm3(k + i_h * K, tok3, m3, H * K, K, BK, NB, BC, DT)
     else:

@@ -30,12 +30,14 @@ from kda_ops.triton.chunk_common import (
     BT,
     Precision,
     autotune_configs,
+    col_mask,
     compute_dtype,
     contiguous,
     load2,
     mm,
     pow2,
     store2,
+    tile2,
 )
 from kda_ops.triton.chunk_output import output_tile
 from kda_ops.triton.debug import poison
@@ -89,9 +91,9 @@ def chunk_state_kernel(
     c0 = tl.load(chunk_off + i_n).to(tl.int64)
     rows = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
-    m_k = o_k < K
+    m_k = col_mask(o_k, K, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
+    m_v = col_mask(o_v, V, BV)
     m_s = m_k[:, None] & m_v[None, :]
     p_s = o_k[:, None] * V + o_v[None, :]
     s_off = (i_n.to(tl.int64) * HV + i_hv) * K * V
@@ -99,21 +101,22 @@ def chunk_state_kernel(
         S = tl.load(h0 + s_off + p_s, mask=m_s, other=0.0).to(DT)
     else:
         S = tl.zeros((BK, BV), dtype=DT)
-    for j in range(tl.cdiv(eos - bos, BT)):
+    for j in range(tl.cdiv(eos - bos, BT).to(tl.int32)):
         tok = bos + j * BT + rows
         m = tok < eos
         c = c0 + j
-        w = load2(W + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
+        # product operands stay in their stored dtype: a bf16 tile feeds the tensor cores as loaded
+        w = tile2(W + i_hv * K, tok, m, HV * K, o_k, m_k)
         u = load2(U + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
-        ke = load2(Kend + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
+        ke = tile2(Kend + i_hv * K, tok, m, HV * K, o_k, m_k)
         gl = tl.load(Gl + (c * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(DT)
         Ec = u - mm(w, S, PREC_SCAN, DT)
         if STORE_STATES:
             tl.store(Hin + (c * HV + i_hv) * K * V + p_s, S.to(Hin.dtype.element_ty), mask=m_s)
             store2(E + i_hv * V, tok, m, HV * V, o_v, m_v, Ec)
         if FUSE_OUTPUT:
-            qt = load2(Qt + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
-            A = load2(Mqk + i_hv * BT, tok, m, HV * BT, rows, rows < BT, DT)
+            qt = tile2(Qt + i_hv * K, tok, m, HV * K, o_k, m_k)
+            A = tile2(Mqk + i_hv * BT, tok, m, HV * BT, rows, col_mask(rows, BT, BT))
             store2(o + i_hv * V, tok, m, HV * V, o_v, m_v, output_tile(qt, S, A, Ec, PREC_OUT, DT))
         S = S * tl.exp(gl)[:, None] + mm(tl.trans(ke), Ec, PREC_SCAN, DT)
     if STORE_FINAL:
