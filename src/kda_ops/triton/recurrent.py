@@ -20,6 +20,7 @@ The serving entry point reads and writes the state at ``state_indices[n]`` of a 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -37,10 +38,11 @@ BV_MAX = 32
 ELEMENTS_PER_WARP = 1024  # state elements per warp: 32 fp32 registers per thread for the state tile
 
 
+@functools.cache
 def launch_config(K: int, V: int) -> tuple[int, int, int]:
-    """``(BK, BV, num_warps)`` for head dimensions ``K, V``."""
-    BK = triton.next_power_of_2(K)
-    BV = min(triton.next_power_of_2(V), BV_MAX)
+    """``(BK, BV, num_warps)`` for head dimensions ``K, V`` (plain Python: triton's helpers cost microseconds)."""
+    BK = 1 << (K - 1).bit_length()
+    BV = min(1 << (V - 1).bit_length(), BV_MAX)
     num_warps = min(8, max(1, BK * BV // ELEMENTS_PER_WARP))
     return BK, BV, num_warps
 
@@ -265,27 +267,43 @@ def launch_forward(
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if N * HV == 0 or (o.numel() == 0 and ht is None):
         return
-    BK, BV, num_warps = launch_config(K, V)
-    grid = (N * HV, triton.cdiv(V, BV))
-    recurrent_fwd_kernel[grid](
+    NV, meta = _forward_meta(
+        H, HV, K, V, v.dtype == torch.float64, opts, A_log is not None, dt_bias is not None, h0 is not None,
+        ht is not None, cu_seqlens is not None, state_indices is not None,
+    )  # fmt: skip
+    recurrent_fwd_kernel[(N * HV, NV)](
         contiguous(q), contiguous(k), contiguous(v), contiguous(g), contiguous(beta), o,
         h0, ht, cu_seqlens, state_indices, A_log, dt_bias,
         scale, 0.0 if opts.lower_bound is None else opts.lower_bound,
         T, 0 if h0 is None else h0.shape[0],
-        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, DT=compute_dtype(v),
+        **meta,
+    )  # fmt: skip
+
+
+@functools.cache
+def _forward_meta(
+    H: int, HV: int, K: int, V: int, fp64: bool, opts: Options, has_A_log: bool, has_dt_bias: bool,
+    has_h0: bool, has_ht: bool, varlen: bool, indexed: bool,
+) -> tuple[int, dict[str, Any]]:  # fmt: skip
+    """The number of value tiles and the constexpr arguments of one launch, computed once per configuration
+    (the eager decode call is dominated by host overhead)."""
+    BK, BV, num_warps = launch_config(K, V)
+    meta = dict(
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, DT=tl.float64 if fp64 else tl.float32,
         USE_L2NORM=opts.use_qk_l2norm,
         USE_GATE=opts.use_gate,
-        HAS_A_LOG=A_log is not None,
-        HAS_DT_BIAS=dt_bias is not None,
+        HAS_A_LOG=has_A_log,
+        HAS_DT_BIAS=has_dt_bias,
         USE_LOWER_BOUND=opts.lower_bound is not None,
         USE_BETA_SIGMOID=opts.use_beta_sigmoid,
         NEG_EIGVAL=opts.allow_neg_eigval,
-        USE_INITIAL_STATE=h0 is not None,
-        STORE_FINAL_STATE=ht is not None,
-        IS_VARLEN=cu_seqlens is not None,
-        USE_STATE_INDICES=state_indices is not None,
+        USE_INITIAL_STATE=has_h0,
+        STORE_FINAL_STATE=has_ht,
+        IS_VARLEN=varlen,
+        USE_STATE_INDICES=indexed,
         num_warps=num_warps,
     )  # fmt: skip
+    return (V + BV - 1) // BV, meta
 
 
 def recurrent_fwd(

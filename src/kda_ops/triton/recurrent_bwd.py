@@ -6,7 +6,7 @@ update is never inverted (``exp(g)`` may be ~0); instead one program per (sequen
 1. runs the forward over its sequence, storing its state tile at the start of every segment of ``C`` tokens
    (the checkpoints);
 2. for each segment, last to first: reloads the checkpoint, recomputes the segment's states ``S_{t-1}`` into a
-   private scratch buffer ``[C, BK, BV]``, then walks the segment backwards::
+   private scratch buffer ``[C, BV, BK]``, then walks the segment backwards::
 
        G    += (s q_t) do_t^T                  gradient of S_t, G starts as the final-state gradient
        dq_t  = s S_t do_t
@@ -47,7 +47,9 @@ from kda_ops.triton.recurrent import (
     sequence_bounds,
 )
 
-# The backward holds five [BK, BV] tiles at once (S_{t-1}, St, S_t, G, dSt): half the forward's elements per warp.
+# The backward holds about five [BV, BK] tiles at once (S_{t-1}, St, S_t, G, dSt): half the forward's elements per
+# warp. Compiled for sm_90 at K = V = 128 (ptxas, no GPU needed): BV = 32 with 8 warps uses 239-248 registers and
+# no stack; BV = 64 spills 128-208 bytes at 8 warps, BV = 32 with 4 warps up to 248. TODO(bench): time it.
 BWD_ELEMENTS_PER_WARP = 512
 MIN_CHECKPOINT_INTERVAL = 4
 MAX_CHECKPOINT_INTERVAL = 64
@@ -106,18 +108,18 @@ def forward_steps(b_S, p_q, p_k, p_g, p_beta, p_v, n, o_k, m_k, m_v, b_a, b_dt, 
                   BV: tl.constexpr, DT: tl.constexpr, USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr,
                   HAS_A_LOG: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
                   NEG_EIGVAL: tl.constexpr, SAVE: tl.constexpr):
-    """Advance the state tile over ``n`` tokens from the given token pointers; with SAVE, store ``S_{t-1}`` of
-    step ``i`` at ``p_save + i * BK * BV + o_save`` first."""
+    """Advance the (transposed, ``[BV, BK]``) state tile over ``n`` tokens from the given token pointers; with
+    SAVE, store ``S_{t-1}`` of step ``i`` at ``p_save + i * BV * BK + o_save`` first."""
     for i in range(0, n):
         if SAVE:
-            tl.store(p_save + i * (BK * BV) + o_save, b_S)
+            tl.store(p_save + i * (BV * BK) + o_save, b_S)
         b_q, b_k, b_g, b_beta = load_token(p_q, p_k, p_g, p_beta, o_k, m_k, b_a, b_dt, scale, lower_bound, DT,
                                            USE_L2NORM, USE_GATE, HAS_A_LOG, USE_LOWER_BOUND, USE_BETA_SIGMOID,
                                            NEG_EIGVAL)
         b_v = tl.load(p_v, mask=m_v, other=0).to(DT)
-        b_S = b_S * tl.exp(b_g)[:, None]
-        b_p = tl.sum(b_S * b_k[:, None], 0)
-        b_S = b_S + b_k[:, None] * (b_beta * (b_v - b_p))[None, :]
+        b_S = b_S * tl.exp(b_g)[None, :]
+        b_p = tl.sum(b_S * b_k[None, :], 1)
+        b_S = b_S + (b_beta * (b_v - b_p))[:, None] * b_k[None, :]
         p_q += H * K
         p_k += H * K
         p_g += HV * K
@@ -137,8 +139,8 @@ def recurrent_bwd_kernel(
     g,  # [TOT, HV, K]
     beta,  # [TOT, HV]
     do,  # [TOT, HV, V]
-    dht,  # [N, HV, K, V] or None
-    h0,  # [N, HV, K, V] or None
+    dht,  # [N, HV, V, K] (transposed) or None
+    h0,  # [N, HV, V, K] (transposed) or None
     dq,  # [NV, TOT, HV, K] partials
     dk,  # [NV, TOT, HV, K] partials
     dv,  # [TOT, HV, V]
@@ -147,8 +149,8 @@ def recurrent_bwd_kernel(
     dh0,  # [N, HV, K, V] or None
     dA,  # [NV, N, HV] partials or None
     ddt,  # [NV, N, HV, K] partials or None
-    ckpt,  # [NC, HV, K, V] checkpoints
-    scratch,  # [N * HV * NV, C, BK, BV]
+    ckpt,  # [NC, HV, V, K] checkpoints (transposed, like the tiles)
+    scratch,  # [N * HV * NV, C, BV, BK]
     cu_seqlens,
     A_log,
     dt_bias,
@@ -189,35 +191,39 @@ def recurrent_bwd_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
-    o_s = i_hv * (K * V) + o_k[:, None] * V + o_v[None, :]  # a state tile inside [HV, K, V]
-    p_save = scratch + (i_nh * NV + i_v).to(tl.int64) * C * (BK * BV)
-    o_save = o_k[:, None] * BV + tl.arange(0, BV)[None, :]
+    m_s = m_v[:, None] & m_k[None, :]
+    # Tiles are [BV, BK] with K fastest in registers; the compiler takes each loop's layout from the loads that
+    # feed it, so every tile read inside the kernel (h0, dht, checkpoints, scratch) is K-contiguous in memory.
+    # On sm_90 (K = V = 128, BV = 32, 8 warps) reading h0/dht in their [K, V] layout spilled 256 bytes a thread.
+    o_s = i_hv * (K * V) + o_v[:, None] + o_k[None, :] * V  # the tile inside [HV, K, V]
+    o_c = i_hv * (K * V) + o_v[:, None] * K + o_k[None, :]  # the tile inside [HV, V, K]
+    p_save = scratch + (i_nh * NV + i_v).to(tl.int64) * C * (BV * BK)
+    o_save = tl.arange(0, BV)[:, None] * BK + o_k[None, :]
     b_a, b_dt = load_head_params(A_log, dt_bias, i_hv, o_k, m_k, K, DT, HAS_A_LOG, HAS_DT_BIAS)
 
     # 1. forward over the sequence, checkpointing the state at every segment start
-    b_S = tl.zeros([BK, BV], DT)  # [BK, BV]
+    b_S = tl.zeros([BV, BK], DT)  # [BV, BK]
     if USE_INITIAL_STATE:
-        b_S += tl.load(h0 + i_n.to(tl.int64) * (HV * K * V) + o_s, mask=m_s, other=0).to(DT)
+        b_S += tl.load(h0 + i_n.to(tl.int64) * (HV * K * V) + o_c, mask=m_s, other=0).to(DT)
     for j in range(0, n_seg):
         t0 = bos + j * C
-        tl.store(ckpt + (c0 + j) * (HV * K * V) + o_s, b_S, mask=m_s)
+        tl.store(ckpt + (c0 + j) * (HV * K * V) + o_c, b_S, mask=m_s)
         b_S = forward_steps(b_S, q + (t0 * H + i_h) * K, k + (t0 * H + i_h) * K, g + (t0 * HV + i_hv) * K,
                             beta + t0 * HV + i_hv, v + (t0 * HV + i_hv) * V + o_v, tl.minimum(C, eos - t0),
                             o_k, m_k, m_v, b_a, b_dt, scale, lower_bound, p_save, o_save, H, HV, K, V, BK, BV, DT,
                             USE_L2NORM, USE_GATE, HAS_A_LOG, USE_LOWER_BOUND, USE_BETA_SIGMOID, NEG_EIGVAL, False)
 
     # 2. segments last to first: recompute S_{t-1} into the scratch, then walk the tokens backwards
-    b_G = tl.zeros([BK, BV], DT)  # [BK, BV] gradient of the current state
+    b_G = tl.zeros([BV, BK], DT)  # [BV, BK] gradient of the current state
     if USE_FINAL_STATE_GRADIENT:
-        b_G += tl.load(dht + i_n.to(tl.int64) * (HV * K * V) + o_s, mask=m_s, other=0).to(DT)
+        b_G += tl.load(dht + i_n.to(tl.int64) * (HV * K * V) + o_c, mask=m_s, other=0).to(DT)
     b_dA = tl.zeros([BK], DT)
     b_ddt = tl.zeros([BK], DT)
     for jj in range(0, n_seg):
         j = n_seg - 1 - jj
         t0 = bos + j * C
         n_in = tl.minimum(C, eos - t0)
-        b_S = tl.load(ckpt + (c0 + j) * (HV * K * V) + o_s, mask=m_s, other=0)
+        b_S = tl.load(ckpt + (c0 + j) * (HV * K * V) + o_c, mask=m_s, other=0)
         forward_steps(b_S, q + (t0 * H + i_h) * K, k + (t0 * H + i_h) * K, g + (t0 * HV + i_hv) * K,
                       beta + t0 * HV + i_hv, v + (t0 * HV + i_hv) * V + o_v, n_in,
                       o_k, m_k, m_v, b_a, b_dt, scale, lower_bound, p_save, o_save, H, HV, K, V, BK, BV, DT,
@@ -242,21 +248,21 @@ def recurrent_bwd_kernel(
             b_do = tl.load(do + (t * HV + i_hv) * V + o_v, mask=m_v, other=0).to(DT)  # [BV]
             # the forward step again, from S_{t-1}
             b_decay = tl.exp(b_g)
-            b_St = tl.load(p_save + i * (BK * BV) + o_save) * b_decay[:, None]  # [BK, BV]
-            b_r = b_v - tl.sum(b_St * b_kn[:, None], 0)  # [BV]  v - p
+            b_St = tl.load(p_save + i * (BV * BK) + o_save) * b_decay[None, :]  # [BV, BK]
+            b_r = b_v - tl.sum(b_St * b_kn[None, :], 1)  # [BV]  v - p
             b_e = b_beta * b_r
-            b_S = b_St + b_kn[:, None] * b_e[None, :]
+            b_S = b_St + b_e[:, None] * b_kn[None, :]
             # its gradients
-            b_G += (scale * b_qn)[:, None] * b_do[None, :]
-            b_dqn = scale * tl.sum(b_S * b_do[None, :], 1)  # [BK]
-            b_de = tl.sum(b_G * b_kn[:, None], 0)  # [BV]
+            b_G += b_do[:, None] * (scale * b_qn)[None, :]
+            b_dqn = scale * tl.sum(b_S * b_do[:, None], 0)  # [BK]
+            b_de = tl.sum(b_G * b_kn[None, :], 1)  # [BV]
             b_dp = -b_beta * b_de
-            b_dkn = tl.sum(b_G * b_e[None, :] + b_St * b_dp[None, :], 1)  # [BK]
+            b_dkn = tl.sum(b_G * b_e[:, None] + b_St * b_dp[:, None], 0)  # [BK]
             b_dv = b_beta * b_de
             b_dbeta = tl.sum(b_de * b_r, 0)
-            b_dSt = b_G + b_kn[:, None] * b_dp[None, :]
-            b_dg = tl.sum(b_dSt * b_St, 1)  # [BK]
-            b_G = b_dSt * b_decay[:, None]
+            b_dSt = b_G + b_dp[:, None] * b_kn[None, :]
+            b_dg = tl.sum(b_dSt * b_St, 0)  # [BK]
+            b_G = b_dSt * b_decay[None, :]
             # chain rules to the raw inputs (linear, so per partial)
             if USE_L2NORM:
                 b_dqn = l2norm_bwd(b_qn, b_rq, b_dqn)
@@ -336,14 +342,14 @@ def recurrent_bwd(
     dh0 = None if initial_state is None else torch.empty_like(initial_state)
     dA = v.new_empty((NV, N, HV), dtype=f) if has_A else None
     ddt = v.new_empty((NV, N, HV, K), dtype=f) if has_dt else None
-    ckpt = v.new_empty((triton.cdiv(TOT, C) + N, HV, K, V), dtype=f)
-    scratch = v.new_empty((N * HV * NV, C, BK, BV), dtype=f)
+    ckpt = v.new_empty((triton.cdiv(TOT, C) + N, HV, V, K), dtype=f)
+    scratch = v.new_empty((N * HV * NV, C, BV, BK), dtype=f)
     poison(dq, dk, dg, dbeta, dv, dh0, dA, ddt, ckpt, scratch)
     if N * HV > 0:
         recurrent_bwd_kernel[(N * HV, NV)](
             contiguous(q), contiguous(k), contiguous(v), contiguous(g), contiguous(beta), contiguous(do),
-            None if dht is None else contiguous(dht),
-            None if initial_state is None else contiguous(initial_state),
+            None if dht is None else dht.transpose(-1, -2).contiguous(),
+            None if initial_state is None else initial_state.transpose(-1, -2).contiguous(),
             dq, dk, dv, dg, dbeta, dh0, dA, ddt, ckpt, scratch,
             cu_seqlens, A_log if has_A else None, dt_bias if has_dt else None,
             scale, 0.0 if opts.lower_bound is None else opts.lower_bound, T, TOT, N, C,

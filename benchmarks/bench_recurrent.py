@@ -1,0 +1,313 @@
+"""Decode-step benchmark of the fused recurrent KDA kernels (issue 3), against fla-core's ``fused_recurrent_kda``.
+
+One decode step: every sequence gets one token (T = 1), H = HV = 32, K = V = 128, bf16 inputs, fp32 state,
+``use_qk_l2norm_in_kernel=True``. Measured in one run, for B in {1, 16, 64, 256}:
+
+- ``serving``: ``kda_ops.recurrent_kda_update_`` on a pool of 2B states at random slots (in place);
+- ``recurrent``: ``kda_ops.recurrent_kda`` with an initial state and the final state returned;
+- ``fla``: ``fla.ops.kda.fused_recurrent_kda`` with the same arguments as ``recurrent`` (when importable);
+
+each eager and replayed from a CUDA graph. GPU times are ``triton.testing.do_bench`` medians (the L2 cache is
+flushed before every repetition, so the state comes from HBM); ``wall`` is the host-side time per call of
+back-to-back eager calls (what an eager decode loop pays when the host is the bottleneck, as it is at B = 1).
+The floor is the state traffic of one step, ``2 * B * H * K * V * 4`` bytes, over the device-to-device copy
+bandwidth measured in the same run (a torch copy of a large tensor: bytes read + written over its time).
+
+fla is imported from the environment, or from wheels given by ``--wheels`` (default: ``.whl/*.whl`` of the
+repository, e.g. fla_core-0.6.0 and einops), unpacked into a temporary folder at run time.
+
+Usage: ``python benchmarks/bench_recurrent.py [--out FILE] [--sweep] [--backward]``. The markdown table comes last.
+``--sweep`` times the serving step (graph-replayed) for every value tile / warp count, the numbers behind the fixed
+launch configuration in ``kda_ops/triton/recurrent.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import os
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+from triton.testing import do_bench
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+import kda_ops  # noqa: E402
+from kda_ops.testing import make_inputs, make_state  # noqa: E402
+
+H = HV = 32
+K = V = 128
+BATCHES = (1, 16, 64, 256)
+DEV = "cuda"
+
+
+def load_fla(wheels: list[str]) -> tuple[Callable[..., Any] | None, str]:
+    """``fused_recurrent_kda`` and a description of where it came from (or why it is missing)."""
+    try:
+        import fla
+        from fla.ops.kda import fused_recurrent_kda
+
+        return fused_recurrent_kda, f"fla {getattr(fla, '__version__', '?')} (installed)"
+    except Exception as e:  # noqa: BLE001 - any import failure just means "not in this environment"
+        reason = f"{type(e).__name__}: {e}"
+    if not wheels:
+        return None, f"fla not importable ({reason}) and no wheels given"
+    site = tempfile.mkdtemp(prefix="bench-wheels-")
+    for w in wheels:
+        with zipfile.ZipFile(w) as z:
+            z.extractall(site)
+    sys.path.insert(0, site)
+    for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
+        del sys.modules[name]
+    try:
+        import fla
+        from fla.ops.kda import fused_recurrent_kda
+
+        names = ", ".join(os.path.basename(w) for w in wheels)
+        return fused_recurrent_kda, f"fla {getattr(fla, '__version__', '?')} (from {names})"
+    except Exception as e:  # noqa: BLE001
+        return None, f"fla not importable: {type(e).__name__}: {e}"
+
+
+def gpu_us(fn: Callable[[], Any]) -> float:
+    """Median GPU time of ``fn`` in microseconds (do_bench flushes L2 before each repetition)."""
+    return float(do_bench(fn, warmup=50, rep=300, return_mode="median")) * 1e3
+
+
+def wall_us(fn: Callable[[], Any], iters: int = 500) -> float:
+    """Host time per call of back-to-back calls, synchronised at the ends only."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
+def capture(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
+    """``fn`` captured once in a CUDA graph, after a warm-up on a side stream."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s: (read + written) / median time of a 1 GiB copy."""
+    src = torch.empty(2**28, dtype=torch.float32, device=DEV).uniform_()
+    dst = torch.empty_like(src)
+    t = gpu_us(lambda: dst.copy_(src)) * 1e-6
+    return 2 * src.numel() * src.element_size() / t
+
+
+def decode_inputs(B: int) -> dict[str, Any]:
+    x = make_inputs(B, 1, H, K, V, HV=HV, dtype=torch.bfloat16, device=DEV, seed=B)
+    x["h0"] = make_state(B, HV, K, V, device=DEV)
+    x["pool"] = make_state(2 * B, HV, K, V, device=DEV, seed=2)
+    x["idx"] = torch.randperm(2 * B, device=DEV)[:B].to(torch.int32)
+    return x
+
+
+def workloads(x: dict[str, Any], fla_fn: Callable[..., Any] | None) -> dict[str, Callable[[], Any]]:
+    qkvgb = {n: x[n] for n in ("q", "k", "v", "g", "beta")}
+    out: dict[str, Callable[[], Any]] = {
+        "serving": lambda: kda_ops.recurrent_kda_update_(
+            **qkvgb, state_pool=x["pool"], state_indices=x["idx"], use_qk_l2norm_in_kernel=True
+        ),
+        "recurrent": lambda: kda_ops.recurrent_kda(
+            **qkvgb, initial_state=x["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True
+        ),
+    }
+    if fla_fn is not None:
+        out["fla"] = lambda: fla_fn(
+            **qkvgb, initial_state=x["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True
+        )
+    return out
+
+
+def measure(name: str, fn: Callable[[], Any]) -> dict[str, float | str]:
+    res: dict[str, float | str] = {}
+    with torch.no_grad():
+        fn()  # compile
+        res["eager"] = gpu_us(fn)
+        res["wall"] = wall_us(fn)
+        try:
+            graph = capture(fn)
+            res["graph"] = gpu_us(graph.replay)
+        except Exception as e:  # noqa: BLE001 - a peer that cannot be captured is reported, not fatal
+            res["graph"] = f"capture failed: {type(e).__name__}"
+            print(f"  {name}: CUDA graph capture failed: {e}", file=sys.stderr)
+    return res
+
+
+def fmt(x: float | str) -> str:
+    return f"{x:.1f}" if isinstance(x, float) else str(x)
+
+
+def breakdown(fla_fn: Callable[..., Any] | None) -> list[tuple[str, float]]:
+    """Host cost per eager call at B = 1, layer by layer (wall-clock µs per call, back to back)."""
+    from kda_ops.common import Options
+    from kda_ops.triton import KERNELS
+    from kda_ops.triton.recurrent import launch_forward
+
+    x = decode_inputs(1)
+    q, k, v, g, beta, h0 = (x[n] for n in ("q", "k", "v", "g", "beta", "h0"))
+    opts = Options(use_qk_l2norm=True)
+    o, ht = torch.empty_like(v), torch.empty_like(h0)
+    scale = K**-0.5
+    rows = [
+        ("launch_forward (Triton launch, preallocated outputs)",
+         lambda: launch_forward(q, k, v, g, beta, o, h0, ht, None, None, None, None, scale, opts)),
+        ('KERNELS["recurrent"] (+ output allocation)',
+         lambda: KERNELS["recurrent"](q, k, v, g, beta, scale, h0, None, None, None, opts, True)),
+        ("torch.ops.kda.recurrent (+ dispatcher, autograd wrapper)",
+         lambda: torch.ops.kda.recurrent(q, k, v, g, beta, scale, h0, None, None, None, None, True, True, False,
+                                         False, False)),
+        ("kda_ops.recurrent_kda (+ validation)",
+         lambda: kda_ops.recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True)),
+        ('KERNELS["recurrent_update_"] (serving launcher)',
+         lambda: KERNELS["recurrent_update_"](q, k, v, g, beta, x["pool"], x["idx"], scale, None, None, None, opts)),
+        ("torch.ops.kda.recurrent_update_ (+ dispatcher)",
+         lambda: torch.ops.kda.recurrent_update_(q, k, v, g, beta, x["pool"], x["idx"], scale, None, None, None,
+                                                 None, True, False, False, False)),
+        ("kda_ops.recurrent_kda_update_ (+ validation)",
+         lambda: kda_ops.recurrent_kda_update_(q, k, v, g, beta, x["pool"], x["idx"], use_qk_l2norm_in_kernel=True)),
+    ]  # fmt: skip
+    if fla_fn is not None:
+        rows.append(("fla fused_recurrent_kda",
+                     lambda: fla_fn(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                    use_qk_l2norm_in_kernel=True)))  # fmt: skip
+    out = []
+    for label, fn in rows:
+        out.append((label, wall_us(fn, iters=2000)))
+        with torch.no_grad():
+            out.append((label + ", no_grad", wall_us(fn, iters=2000)))
+    return out
+
+
+def sweep(batches: tuple[int, ...]) -> str:
+    """Graph-replayed serving step for each (BV, num_warps): the data behind the fixed launch configuration."""
+    import kda_ops.triton.recurrent as tr
+
+    original = tr.launch_config
+    lines = ["| BV | num_warps | " + " | ".join(f"B={B} µs" for B in batches) + " |",
+             "|---|---|" + "---|" * len(batches)]  # fmt: skip
+    inputs = {B: decode_inputs(B) for B in batches}
+    try:
+        for BV in (16, 32, 64, 128):
+            for nw in (1, 2, 4, 8):
+                tr.launch_config = lambda K, V, BV=BV, nw=nw: (triton.next_power_of_2(K), BV, nw)  # type: ignore[misc]
+                tr._forward_meta.cache_clear()
+                cells = []
+                for B in batches:
+                    try:
+                        cells.append(f"{measure('serving', workloads(inputs[B], None)['serving'])['graph']:.1f}")
+                    except Exception as e:  # noqa: BLE001
+                        cells.append(f"failed ({type(e).__name__})")
+                lines.append(f"| {BV} | {nw} | " + " | ".join(cells) + " |")
+                print(lines[-1], file=sys.stderr)
+    finally:
+        tr.launch_config = original
+        tr._forward_meta.cache_clear()
+    return "\n".join(lines)
+
+
+def backward_timing() -> str:
+    """Forward + backward of recurrent_kda on a short-sequence training shape (no peer has this backward)."""
+    B, T = 4, 512
+    x = make_inputs(B, T, H, K, V, HV=HV, dtype=torch.bfloat16, device=DEV, gate_in_kernel=True, beta_logits=True)
+    leaves = {n: t.requires_grad_() for n, t in x.items()}
+    h0 = make_state(B, HV, K, V, device=DEV).requires_grad_()
+    do = torch.randn(B, T, HV, V, device=DEV, dtype=torch.bfloat16)
+    opts = {"use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True}
+
+    def fwd() -> Any:
+        return kda_ops.recurrent_kda(**leaves, initial_state=h0, output_final_state=True, **opts)
+
+    def fwd_bwd() -> None:
+        o, _ = fwd()
+        o.backward(do)
+
+    fwd_bwd()
+    with torch.no_grad():
+        t_f = gpu_us(lambda: fwd())
+    t_fb = gpu_us(fwd_bwd)
+    return (f"recurrent_kda B={B} T={T} H={H} K=V={K} bf16, every in-kernel option: forward {t_f:.0f} µs, "
+            f"forward + backward {t_fb:.0f} µs")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, help="also write the markdown table to this file")
+    parser.add_argument("--wheels", nargs="*", default=sorted(glob.glob(str(ROOT / ".whl" / "*.whl"))),
+                        help="wheels to import fla from when it is not installed")  # fmt: skip
+    parser.add_argument("--sweep", action="store_true", help="time every value tile / warp count")
+    parser.add_argument("--backward", action="store_true", help="also time forward + backward (B=4, T=512)")
+    parser.add_argument("--batches", type=int, nargs="*", default=list(BATCHES))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_recurrent: needs a CUDA GPU")
+
+    fla_fn, fla_note = load_fla(args.wheels)
+    print(fla_note, file=sys.stderr)
+    bw = copy_bandwidth()
+    header = [
+        f"# Decode step (recurrent KDA), {datetime.date.today().isoformat()}",
+        "",
+        f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}; {fla_note}.",
+        f"H = HV = {H}, K = V = {K}, T = 1 per sequence, bf16 inputs, fp32 state, l2norm in kernel. "
+        f"Copy bandwidth {bw / 1e9:.0f} GB/s (read + write); floor = 2·B·H·K·V·4 B / bandwidth.",
+        "GPU µs: do_bench median (L2 flushed); wall: host µs per back-to-back eager call.",
+        "",
+    ]
+    cols = ["serving", "recurrent"] + (["fla"] if fla_fn is not None else [])
+    table = ["| B | floor µs | " + " | ".join(f"{c} eager | {c} wall | {c} graph" for c in cols)
+             + " | serving graph / floor |",
+             "|---|---|" + "---|---|---|" * len(cols) + "---|"]  # fmt: skip
+    for B in args.batches:
+        x = decode_inputs(B)
+        floor = 2 * B * H * K * V * 4 / bw * 1e6
+        res = {name: measure(name, fn) for name, fn in workloads(x, fla_fn).items()}
+        cells = [f"{B}", f"{floor:.1f}"]
+        for c in cols:
+            cells += [fmt(res[c]["eager"]), fmt(res[c]["wall"]), fmt(res[c]["graph"])]
+        g = res["serving"]["graph"]
+        cells.append(f"{g / floor:.2f}" if isinstance(g, float) else "-")
+        table.append("| " + " | ".join(cells) + " |")
+        print(table[-1], file=sys.stderr)
+
+    extra = ["", "Host cost per eager call at B = 1 (wall µs, back to back):", "", "| path | µs |", "|---|---|"]
+    extra += [f"| {label} | {us:.1f} |" for label, us in breakdown(fla_fn)]
+    if args.backward:
+        extra += ["", backward_timing()]
+    if args.sweep:
+        extra += ["", "Launch configuration sweep (serving step, CUDA graph, GPU µs):", "", sweep(tuple(args.batches))]
+    text = "\n".join(header + table + extra) + "\n"
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""The serving step ``recurrent_kda_update_`` / ``torch.ops.kda.recurrent_update_`` on the CPU.
+
+Each behaviour is checked on the PyTorch reference kernel and, under ``TRITON_INTERPRET=1``, on the Triton kernel.
+The expected values come from :func:`kda_ops.recurrent_kda` started from the pool's states.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import kda_ops
+from kda_ops import ops
+from kda_ops.testing import make_inputs, make_state
+
+BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.interpret)]
+H, HV, K, V, S = 1, 2, 8, 8, 6
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    name: str = request.param
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(ops.cpu_backend(name))
+        if name == "triton":
+            from kda_ops.triton.debug import poison_outputs
+
+            stack.enter_context(poison_outputs())
+        yield name
+
+
+def _expected(x: dict[str, Any], pool: torch.Tensor, idx: list[int], cu: torch.Tensor | None,
+              **opts: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``o`` and the updated pool, from recurrent_kda started at the pool's slots (padding: zero rows)."""
+    slots = torch.tensor([max(i, 0) for i in idx])
+    o, final = kda_ops.recurrent_kda(**x, initial_state=pool[slots], cu_seqlens=cu, output_final_state=True, **opts)
+    assert final is not None
+    new = pool.clone()
+    for n, i in enumerate(idx):
+        if i >= 0:
+            new[i] = final[n]
+        elif cu is None:
+            o[n] = 0
+        else:
+            o[:, int(cu[n]) : int(cu[n + 1])] = 0
+    return o, new
+
+
+def test_decode_step_updates_pool_in_place(backend: str) -> None:
+    x = make_inputs(4, 1, H, K, V, HV=HV)
+    pool = make_state(S, HV, K, V)
+    idx = [5, 0, 3, 2]
+    o_ref, pool_ref = _expected(x, pool, idx, None)
+    p = pool.clone()
+    ptr = p.data_ptr()
+    o = kda_ops.recurrent_kda_update_(**x, state_pool=p, state_indices=torch.tensor(idx))
+    assert o.shape == (4, 1, HV, V) and o.dtype == x["v"].dtype and p.data_ptr() == ptr
+    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(p, pool_ref, rtol=1e-5, atol=1e-6)
+    assert torch.equal(p[[1, 4]], pool[[1, 4]])  # untouched slots are bitwise unchanged
+
+
+def test_padding_slot_is_skipped(backend: str) -> None:
+    x = make_inputs(3, 1, H, K, V, HV=HV)
+    x["v"][1] = float("nan")  # whatever a padding row holds must not leak
+    pool = make_state(S, HV, K, V)
+    idx = [2, -1, 0]
+    p = pool.clone()
+    o = kda_ops.recurrent_kda_update_(**x, state_pool=p, state_indices=torch.tensor(idx, dtype=torch.int32))
+    assert torch.equal(o[1], torch.zeros_like(o[1]))
+    assert torch.isfinite(p).all()
+    assert torch.equal(p[[1, 3, 4, 5]], pool[[1, 3, 4, 5]])
+    x["v"][1] = 0.0
+    o_ref, pool_ref = _expected(x, pool, idx, None)
+    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(p, pool_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_several_tokens_per_sequence_varlen(backend: str) -> None:
+    """Chunked prefill / speculative steps: 3, 0, 1, 4 tokens; the empty sequence keeps its state."""
+    cu = torch.tensor([0, 3, 3, 4, 8])
+    x = make_inputs(1, 8, H, K, V, HV=HV, gate_in_kernel=True, beta_logits=True)
+    opts = {"use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True}
+    pool = make_state(S, HV, K, V)
+    idx = [4, 1, -1, 0]
+    o_ref, pool_ref = _expected(x, pool, idx, cu, **opts)
+    p = pool.clone()
+    o = kda_ops.recurrent_kda_update_(**x, state_pool=p, state_indices=torch.tensor(idx), cu_seqlens=cu, **opts)
+    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(p, pool_ref, rtol=1e-5, atol=1e-6)
+    assert torch.equal(o[:, 3], torch.zeros_like(o[:, 3]))
+
+
+def test_dense_batch_of_several_tokens(backend: str) -> None:
+    x = make_inputs(2, 3, H, K, V, HV=HV, gate_in_kernel=True)
+    opts = {"use_gate_in_kernel": True, "lower_bound": -5.0}
+    pool = make_state(S, HV, K, V)
+    idx = [1, 3]
+    o_ref, pool_ref = _expected(x, pool, idx, None, **opts)
+    p = pool.clone()
+    o = kda_ops.recurrent_kda_update_(**x, state_pool=p, state_indices=torch.tensor(idx), **opts)
+    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(p, pool_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_decode_loop_equals_one_call(backend: str) -> None:
+    """Six decode steps through the pool (slots moving between steps) equal one call over the six tokens."""
+    T = 6
+    x = make_inputs(2, T, H, K, V, HV=HV)
+    pool = make_state(S, HV, K, V)
+    o_ref, s_ref = kda_ops.recurrent_kda(**x, initial_state=pool[[0, 1]], output_final_state=True)
+    assert s_ref is not None
+    p = pool.clone()
+    slots = [0, 1]
+    for t in range(T):
+        step = {n: v[:, t : t + 1] for n, v in x.items()}
+        o = kda_ops.recurrent_kda_update_(**step, state_pool=p, state_indices=torch.tensor(slots))
+        torch.testing.assert_close(o, o_ref[:, t : t + 1], rtol=1e-5, atol=1e-6)
+        # move both states to fresh slots: the indices change between steps, the shapes do not
+        new = [(s + 2) % S for s in slots]
+        p[new] = p[slots]
+        slots = new
+    torch.testing.assert_close(p[slots], s_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_opcheck() -> None:
+    x = make_inputs(3, 1, H, K, V, HV=HV)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], make_state(S, HV, K, V), torch.tensor([4, -1, 0]),
+            K**-0.5, None, None, None, None, True, False, False, False)  # fmt: skip
+    torch.library.opcheck(torch.ops.kda.recurrent_update_.default, args)
+    cu = torch.tensor([0, 2, 2, 3])
+    x = make_inputs(1, 3, H, K, V, HV=HV)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], make_state(S, HV, K, V), torch.tensor([4, -1, 0]),
+            K**-0.5, cu, None, None, None, False, False, False, False)  # fmt: skip
+    torch.library.opcheck(torch.ops.kda.recurrent_update_.default, args)
+
+
+def test_compiled_decode_step_updates_the_pool_without_a_copy() -> None:
+    """fullgraph compile: no graph break, the pool updated in place, no clone or copy of it in the code."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+
+    def step(x: dict[str, torch.Tensor], pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        o = kda_ops.recurrent_kda_update_(**x, state_pool=pool, state_indices=idx, use_qk_l2norm_in_kernel=True)
+        return o * 2
+
+    x = make_inputs(3, 1, H, K, V, HV=HV)
+    pool = make_state(S, HV, K, V)
+    idx = torch.tensor([4, -1, 0])
+    p_eager = pool.clone()
+    o_eager = step(x, p_eager, idx)
+    explanation = torch._dynamo.explain(step)(x, pool.clone(), idx)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    torch._dynamo.reset()
+    counters.clear()
+    p = pool.clone()
+    ptr = p.data_ptr()
+    o, code = run_and_get_code(torch.compile(step, fullgraph=True), x, p, idx)
+    assert p.data_ptr() == ptr
+    torch.testing.assert_close(o, o_eager, rtol=0, atol=0)
+    torch.testing.assert_close(p, p_eager, rtol=0, atol=0)
+    assert counters["inductor"]["possibly_missed_reinplacing_opportunities"] == 0
+    src = "\n".join(code)
+    assert "recurrent_update_.default" in src
+    assert "clone" not in src and "copy_" not in src, src
+
+
+# -------------------------------------------------------------------------------------------- validation
+
+
+def _call(**over: Any) -> Any:
+    x = make_inputs(2, 1, H, K, V, HV=HV)
+    args: dict[str, Any] = {**x, "state_pool": make_state(S, HV, K, V), "state_indices": torch.tensor([0, 1])}
+    args.update(over)
+    return kda_ops.recurrent_kda_update_(**args)
+
+
+@pytest.mark.parametrize(
+    ("over", "exc", "name"),
+    [
+        ({"state_pool": torch.zeros(S, HV, K, V + 1)}, ValueError, "state_pool"),
+        ({"state_pool": torch.zeros(S, HV * K * V)}, ValueError, "state_pool"),
+        ({"state_pool": torch.zeros(S, HV, K, V, dtype=torch.bfloat16)}, TypeError, "state_pool"),
+        ({"state_pool": torch.zeros(S, HV, V, K).transpose(-1, -2)}, ValueError, "state_pool"),
+        ({"state_pool": torch.zeros(S, HV, K, V, dtype=torch.int32)}, TypeError, "state_pool"),
+        ({"state_indices": [0, 1]}, TypeError, "state_indices"),
+        ({"state_indices": torch.tensor([0.0, 1.0])}, TypeError, "state_indices"),
+        ({"state_indices": torch.tensor([0, 1, 2])}, ValueError, "state_indices"),
+        ({"state_indices": torch.tensor([0, S])}, ValueError, "state_indices"),
+        ({"state_indices": torch.tensor([0, -2])}, ValueError, "state_indices"),
+        ({"state_indices": torch.tensor([3, 3])}, ValueError, "state_indices"),
+        ({"state_indices": torch.tensor([0, 1], device="meta")}, ValueError, "state_indices"),
+        ({"beta": torch.rand(2, 1, HV + 1)}, ValueError, "beta"),
+    ],
+)
+def test_validation_names_the_argument(over: dict[str, Any], exc: type[Exception], name: str) -> None:
+    with pytest.raises(exc, match=name):
+        _call(**over)
+
+
+def test_padding_slots_may_repeat() -> None:
+    o = _call(state_indices=torch.tensor([-1, -1]))
+    assert torch.equal(o, torch.zeros_like(o))
