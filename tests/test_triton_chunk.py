@@ -347,3 +347,9 @@ def test_kernel_entry_matches_reference_kernel() -> None:
     assert_rel(s, s_ref, 1e-5)
     o, s = KERNELS["chunk"](*args[:-1], False)
     assert s.shape == (0,)
+
+
+def test_warmup_is_public_and_a_noop_on_the_cpu() -> None:
+    x = _case("l2norm", 1, 8, 1, 8, 8, HV=1)
+    assert "warmup" in kda_ops.__all__
+    kda_ops.warmup(x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=True)

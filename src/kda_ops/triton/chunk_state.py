@@ -58,12 +58,16 @@ def _num_sms(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
+def block_v_choices(V: int) -> list[int]:
+    """The value tiles the scan may use for head dimension ``V`` (largest first)."""
+    return [bv for bv in BV_CHOICES if bv <= pow2(V)] or [BV_CHOICES[-1]]
+
+
 def scan_block_v(V: int, programs: int, device: torch.device) -> int:
-    """The value tile of the scan: the largest of :data:`BV_CHOICES` (capped at V) that keeps enough programs."""
+    """The value tile of the scan: the largest of :func:`block_v_choices` that keeps enough programs."""
     if BV_OVERRIDE is not None:
         return BV_OVERRIDE
-    cap = pow2(V)
-    choices = [bv for bv in BV_CHOICES if bv <= cap] or [16]
+    choices = block_v_choices(V)
     for bv in choices:
         if triton.cdiv(V, bv) * programs >= MIN_PROGRAMS_PER_SM * _num_sms(device):
             return bv
@@ -169,4 +173,4 @@ def chunk_state(
     return Hin, E
 
 
-__all__ = ["BV_OVERRIDE", "chunk_offsets", "chunk_state", "scan_block_v"]
+__all__ = ["BV_OVERRIDE", "block_v_choices", "chunk_offsets", "chunk_state", "scan_block_v"]

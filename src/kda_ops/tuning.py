@@ -1,0 +1,60 @@
+"""Warm-up before a CUDA-graph capture: compile and autotune the Triton kernels a call will use.
+
+The chunk kernels are autotuned on their first call (a few configurations timed on the device), which
+synchronises with the host and therefore cannot run inside ``torch.cuda.graph(...)`` or under
+``torch.cuda.set_sync_debug_mode("error")``. Their choices are keyed on what a model fixes once: the head
+dimensions ``K`` and ``V``, the dtypes, the in-kernel options and the per-product precision, plus the value tile of
+the state scan, which depends on ``N * HV`` (the number of sequences and value heads, for parallelism). Neither
+``B``, ``T`` nor the values of ``cu_seqlens`` play a part. So one :func:`warmup` call with small example inputs
+of the real head counts, dtypes and options leaves nothing to tune or compile for any batch, length or packing::
+
+    kda_ops.warmup(q[:, :64], k[:, :64], v[:, :64], g[:, :64], beta[:, :64], use_qk_l2norm_in_kernel=True,
+                   initial_state=h0, output_final_state=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, state = kda_ops.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, initial_state=h0,
+                                     output_final_state=True, cu_seqlens=cu_seqlens)
+
+The recurrent kernels use fixed launch configurations and need no warm-up beyond their first compilation,
+which the same call performs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kda_ops import ops
+from kda_ops.api import chunk_kda, recurrent_kda
+
+
+def warmup(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kwargs: Any) -> None:
+    """Compile and autotune every Triton kernel that ``chunk_kda(q, k, v, g, beta, **kwargs)`` and
+    ``recurrent_kda(...)`` use, for every value tile the chunk scan may pick, then wait for the device.
+
+    Pass example inputs with the real ``H``, ``HV``, ``K``, ``V``, dtypes and keyword options (``initial_state``
+    and ``output_final_state`` included: each combination is its own compiled kernel); small ``B`` and ``T``
+    suffice. Afterwards calls with any ``B``, ``T`` and ``cu_seqlens`` values run without autotuning, so they can
+    be captured in a CUDA graph. A no-op on the CPU. Not for use inside a capture or a compiled region.
+    """
+    if q.device.type != "cuda":
+        return
+    if "chunk" in ops.TRITON_KERNELS:
+        from kda_ops.triton import chunk_state  # imported lazily: triton is needed only on this path
+
+        V = v.shape[-1]
+        old = chunk_state.BV_OVERRIDE
+        try:
+            for bv in chunk_state.block_v_choices(V):
+                chunk_state.BV_OVERRIDE = bv
+                chunk_kda(q, k, v, g, beta, **kwargs)
+        finally:
+            chunk_state.BV_OVERRIDE = old
+    chunk_kda(q, k, v, g, beta, **kwargs)
+    recurrent_kda(q, k, v, g, beta, **kwargs)
+    torch.cuda.synchronize(q.device)
+
+
+__all__ = ["warmup"]

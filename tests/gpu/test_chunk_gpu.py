@@ -1,0 +1,272 @@
+"""The chunkwise Triton forward on the GPU (issue 4): accuracy against the float64 oracle, variable length, CUDA
+graphs and no host synchronisation.
+
+The oracle is the reference chunkwise forward (``kda_ops.reference.chunk_fwd``) run in float64 on the GPU; it
+equals the naive recurrence to ~1e-15 (``tests/test_reference.py``) and is fast enough at T = 32k. Every kernel
+call runs twice: once to compile and autotune, then inside ``torch.cuda.set_sync_debug_mode("error")`` with every
+launcher's outputs and scratch buffers poisoned with NaN (a host sync raises; an element a kernel forgets to write
+fails the comparison); the second result is the one compared.
+
+Inputs without the in-kernel l2norm get unit-norm q and k from the caller: long keys make the delta rule's solve
+ill-conditioned for any fp32 code, which would test the inputs rather than the kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kda_ops
+from kda_ops import reference
+from kda_ops.common import Options
+from kda_ops.testing import make_inputs, make_state, rel_err
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+F64 = torch.float64
+BF16 = torch.bfloat16
+
+# acceptance bounds of issue 4 (relative error against the float64 oracle)
+TOL = {torch.float32: 1e-4, BF16: 5e-3, torch.float16: 5e-3}
+
+OPTIONS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "plain": ({}, {}),
+    "l2norm": ({}, {"use_qk_l2norm_in_kernel": True}),
+    "gate": ({"gate_in_kernel": True}, {"use_gate_in_kernel": True}),
+    "gate_no_dt_bias": ({"gate_in_kernel": True}, {"use_gate_in_kernel": True, "dt_bias": None}),
+    "lower_bound": ({"gate_in_kernel": True}, {"use_gate_in_kernel": True, "lower_bound": -5.0}),
+    "lower_bound_no_A": ({"gate_in_kernel": True}, {"use_gate_in_kernel": True, "lower_bound": -3.0, "A_log": None}),
+    "beta_sigmoid": ({"beta_logits": True}, {"use_beta_sigmoid_in_kernel": True}),
+    "neg_eigval": ({"beta_logits": True}, {"use_beta_sigmoid_in_kernel": True, "allow_neg_eigval": True}),
+    "all": (
+        {"gate_in_kernel": True, "beta_logits": True},
+        {"use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True,
+         "allow_neg_eigval": True},
+    ),  # fmt: skip
+}
+
+
+@contextlib.contextmanager
+def checked() -> Iterator[None]:
+    """Around a kernel call: host syncs raise, and every launcher's outputs start as NaN."""
+    from kda_ops.triton.debug import poison_outputs
+
+    old = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with poison_outputs():
+            yield
+    finally:
+        torch.cuda.set_sync_debug_mode(old)
+
+
+def _case(name: str, B: int, T: int, H: int, K: int, V: int, HV: int, dtype: torch.dtype, gates: str = "normal",
+          seed: int = 0) -> dict[str, Any]:  # fmt: skip
+    make_opts, call_opts = OPTIONS[name]
+    x = make_inputs(B, T, H, K, V, HV=HV, dtype=dtype, device=DEV, seed=seed, **make_opts)
+    if not call_opts.get("use_qk_l2norm_in_kernel", False):
+        x["q"], x["k"] = (F.normalize(x[n].float(), dim=-1).to(dtype) for n in ("q", "k"))
+    g = x["g"]
+    if gates == "reset":  # hard resets on every channel, and on half of the channels
+        g[:, [t for t in (0, 3, 64, 100, 777) if t < T]] = -1000.0
+        g[:, T // 2, :, : g.shape[-1] // 2] = -1000.0
+    elif gates == "zero":
+        g.zero_()
+    elif gates == "strong":  # every 16-token block spans 72 nats: the exact pairwise diagonal blocks
+        g.fill_(-4.5)
+    x.update(call_opts)
+    return x
+
+
+def _opts(x: dict[str, Any]) -> Options:
+    return Options(
+        x.get("use_qk_l2norm_in_kernel", False),
+        x.get("use_gate_in_kernel", False),
+        x.get("use_beta_sigmoid_in_kernel", False),
+        x.get("allow_neg_eigval", False),
+        x.get("lower_bound"),
+    )
+
+
+def _oracle(x: dict[str, Any], h0: torch.Tensor | None, cu: torch.Tensor | None, scale: float | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The float64 chunkwise reference on the GPU."""
+    d = {n: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for n, t in x.items()}
+    K = x["q"].shape[-1]
+    return reference.chunk_fwd(
+        d["q"], d["k"], d["v"], d["g"], d["beta"], K**-0.5 if scale is None else scale,
+        None if h0 is None else h0.double(), cu, d.get("A_log"), d.get("dt_bias"), _opts(x), True,
+    )  # fmt: skip
+
+
+def _chunk(x: dict[str, Any], h0: torch.Tensor | None = None, cu: torch.Tensor | None = None, final: bool = True,
+           fn: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """``chunk_kda`` (or ``fn``) once to compile and tune, then again sync-checked and poisoned."""
+    fn = fn or kda_ops.chunk_kda
+    fn(**x, initial_state=h0, cu_seqlens=cu, output_final_state=final)
+    with checked():
+        out: tuple[torch.Tensor, torch.Tensor | None] = fn(**x, initial_state=h0, cu_seqlens=cu,
+                                                           output_final_state=final)  # fmt: skip
+    return out
+
+
+def _check(x: dict[str, Any], h0: torch.Tensor | None = None, cu: torch.Tensor | None = None,
+           tol: float | None = None) -> tuple[float, float]:  # fmt: skip
+    o, s = _chunk(x, h0, cu)
+    o_ref, s_ref = _oracle(x, h0, cu)
+    tol = TOL[x["v"].dtype] if tol is None else tol
+    assert s is not None and s.dtype == torch.float32 and o.dtype == x["v"].dtype
+    eo, es = rel_err(o, o_ref), rel_err(s, s_ref)
+    assert eo <= tol and es <= tol, f"relative error o {eo:.2e}, final state {es:.2e} > {tol:.0e}"
+    return eo, es
+
+
+# ------------------------------------------------------------------------------------------ accuracy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 1000, 4096])
+def test_lengths(T: int, dtype: torch.dtype) -> None:
+    x = _case("l2norm", 2, T, 2, 128, 128, HV=4, dtype=dtype)
+    _check(x, h0=make_state(2, 4, 128, 128, device=DEV))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("K", "V"), [(64, 64), (100, 100), (256, 256), (64, 256), (256, 64), (100, 128), (128, 100)])
+def test_head_dims(K: int, V: int, dtype: torch.dtype) -> None:
+    x = _case("l2norm", 1, 1000, 2, K, V, HV=4, dtype=dtype)
+    _check(x, h0=make_state(1, 4, K, V, device=DEV))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", OPTIONS)
+def test_every_option(name: str, dtype: torch.dtype) -> None:
+    x = _case(name, 2, 300, 2, 64, 64, HV=4, dtype=dtype)
+    _check(x, h0=make_state(2, 4, 64, 64, device=DEV))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("gates", ["reset", "zero", "strong"])
+def test_extreme_gates(gates: str, dtype: torch.dtype) -> None:
+    """Hard resets (g = -1000), no decay at all, and 16-token blocks beyond the factored span."""
+    x = _case("l2norm", 1, 1000, 1, 128, 128, HV=2, dtype=dtype, gates=gates)
+    _check(x, h0=make_state(1, 2, 128, 128, device=DEV))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
+def test_varlen_empty_and_one_token_sequences(dtype: torch.dtype) -> None:
+    cu_list = [0, 0, 1, 1, 64, 65, 1000, 1003, 4096]
+    cu = torch.tensor(cu_list, device=DEV, dtype=torch.int32)
+    N = len(cu_list) - 1
+    x = _case("all", 1, cu_list[-1], 2, 128, 128, HV=4, dtype=dtype)
+    h0 = make_state(N, 4, 128, 128, device=DEV)
+    _check(x, h0=h0, cu=cu)
+    _, s = _chunk(x, h0, cu)
+    assert s is not None
+    for n in (0, 2):  # the empty sequences keep their initial state, bit for bit
+        assert torch.equal(s[n], h0[n])
+
+
+def test_fp16() -> None:
+    x = _case("all", 2, 1000, 2, 128, 128, HV=4, dtype=torch.float16)
+    _check(x, h0=make_state(2, 4, 128, 128, device=DEV))
+
+
+def test_no_state_in_or_out() -> None:
+    x = _case("l2norm", 2, 500, 2, 128, 128, HV=2, dtype=BF16)
+    o, s = _chunk(x, final=False)
+    assert s is None
+    o_ref, _ = _oracle(x, None, None)
+    assert rel_err(o, o_ref) <= TOL[BF16]
+
+
+def test_long_sequence_bf16() -> None:
+    """T = 32k in bf16 against the float64 reference: the per-chunk rounding does not accumulate."""
+    x = _case("l2norm", 1, 32768, 4, 128, 128, HV=4, dtype=BF16)
+    eo, es = _check(x, h0=make_state(1, 4, 128, 128, device=DEV))
+    print(f"T=32768 bf16: relative error o {eo:.3e}, final state {es:.3e}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
+def test_chunk_equals_recurrent(dtype: torch.dtype) -> None:
+    """The two Triton schedules on the same inputs compute the same function."""
+    x = _case("all", 2, 1000, 2, 128, 128, HV=4, dtype=dtype)
+    h0 = make_state(2, 4, 128, 128, device=DEV)
+    o_c, s_c = _chunk(x, h0)
+    o_r, s_r = _chunk(x, h0, fn=kda_ops.recurrent_kda)
+    assert s_c is not None and s_r is not None
+    assert rel_err(o_c, o_r) <= TOL[dtype] and rel_err(s_c, s_r) <= TOL[dtype]
+
+
+def test_staged_pipeline_equals_fused() -> None:
+    from kda_ops.triton import chunk as tc
+
+    cu = torch.tensor([0, 5, 5, 700, 701, 2000], device=DEV)
+    x = _case("all", 1, 2000, 2, 128, 128, HV=4, dtype=BF16, gates="reset")
+    h0 = make_state(5, 4, 128, 128, device=DEV)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 128**-0.5, h0, cu, x["A_log"], x["dt_bias"], _opts(x), True)
+    o_ref, s_ref = _oracle(x, h0, cu)
+    for fn in (tc.chunk_fwd, tc.chunk_fwd_staged):
+        o, s = fn(*args)
+        assert rel_err(o, o_ref) <= TOL[BF16] and rel_err(s, s_ref) <= TOL[BF16], fn.__name__
+
+
+# ---------------------------------------------------------------------------- graphs, compile, sync
+
+
+def test_cuda_graph_replay_with_new_cu_seqlens() -> None:
+    """One capture after kda_ops.warmup serves every cu_seqlens of the same length, equal to eager calls."""
+    T, H, HV, K, V = 2048, 2, 4, 128, 128
+    x = _case("all", 1, T, H, K, V, HV=HV, dtype=BF16)
+    cu = torch.tensor([0, 100, 100, 1500, T], device=DEV, dtype=torch.int32)
+    h0 = make_state(4, HV, K, V, device=DEV)
+    kw = dict(x, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    small = {n: t[:, :64] if n in ("q", "k", "v", "g", "beta") else t for n, t in x.items()}
+    kda_ops.warmup(**small, initial_state=h0, output_final_state=True,
+                   cu_seqlens=torch.tensor([0, 10, 10, 30, 64], device=DEV, dtype=torch.int32))  # fmt: skip
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # the allocator's warm-up for capture, on a side stream
+        kda_ops.chunk_kda(**kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_g, s_g = kda_ops.chunk_kda(**kw)
+    assert s_g is not None
+    for values in ([0, 100, 100, 1500, T], [0, 1, 2, 3, T], [0, T, T, T, T], [0, 0, 0, 0, T], [0, 333, 334, 1999, T]):
+        cu.copy_(torch.tensor(values, dtype=torch.int32))
+        graph.replay()
+        o_e, s_e = kda_ops.chunk_kda(**dict(kw, cu_seqlens=cu.clone()))
+        assert s_e is not None
+        assert torch.equal(o_g, o_e), values
+        assert torch.equal(s_g, s_e), values
+
+
+def test_compiled_graph_serves_any_cu_seqlens() -> None:
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    fn = torch.compile(kda_ops.chunk_kda, fullgraph=True, backend=counter)
+    x = _case("l2norm", 1, 1000, 2, 64, 64, HV=2, dtype=BF16)
+    for values in ([0, 10, 10, 1000], [0, 999, 1000, 1000], [0, 0, 500, 1000]):
+        cu = torch.tensor(values, device=DEV, dtype=torch.int32)
+        o, _ = fn(**x, cu_seqlens=cu)
+        o_e, _ = kda_ops.chunk_kda(**x, cu_seqlens=cu)
+        assert torch.equal(o, o_e)
+    assert counter.frame_count == 1
+
+
+def test_nan_poison_reaches_no_output() -> None:
+    """Poisoned outputs and scratch buffers are fully overwritten (also checked in every call above): here with a
+    partial last chunk, an empty sequence at the end, and no initial state."""
+    cu = torch.tensor([0, 70, 70, 131, 131], device=DEV)
+    x = _case("l2norm", 1, 131, 1, 100, 100, HV=1, dtype=BF16)
+    o, s = _chunk(x, cu=cu)
+    assert s is not None and torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert torch.equal(s[1], torch.zeros_like(s[1])) and torch.equal(s[3], torch.zeros_like(s[3]))
