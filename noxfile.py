@@ -150,20 +150,29 @@ def gpu(session: nox.Session) -> None:
     ``PYTHONPATH=src python -m kda_ops && PYTHONPATH=src python -m pytest -m gpu tests``.
     """
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    # a GPU job on a machine without a GPU would skip every test and pass: refuse instead
+    session.run("python", "-c", "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device')")
     session.run("python", "-m", "kda_ops", env=env)
     session.run("python", "-m", "pytest", "-m", "gpu", "tests", *session.posargs, env=env)
 
 
 @nox.session(venv_backend="none")
 def bench(session: nox.Session) -> None:
-    """Benchmarks in the machine's own Python. ``nox -s bench -- chunk`` runs benchmarks/bench_chunk.py only."""
-    names = session.posargs or ["recurrent", "chunk"]
+    """Benchmarks in the machine's own Python.
+
+    ``nox -s bench`` runs benchmarks/bench_recurrent.py and bench_chunk.py; ``nox -s bench -- chunk`` only the
+    second; arguments after a second ``--`` go to every script: ``nox -s bench -- chunk -- --quick``.
+    """
+    args = list(session.posargs)
+    cut = args.index("--") if "--" in args else len(args)
+    names, script_args = args[:cut], args[cut + 1 :]
+    names = names or ["recurrent", "chunk"]
     scripts = [ROOT / "benchmarks" / (n if n.endswith(".py") else f"bench_{n}.py") for n in names]
     found = [s for s in scripts if s.exists()]
-    if session.posargs and len(found) != len(scripts):
+    if len(found) != len(scripts) and args[:cut]:
         session.error(f"no such benchmark: {[str(s) for s in scripts if not s.exists()]}")
     if not found:
         session.skip("no benchmark scripts in benchmarks/ yet")
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     for script in found:
-        session.run("python", str(script), env=env)
+        session.run("python", str(script), *script_args, env=env)
