@@ -21,7 +21,8 @@ Schemas (``torch.ops.kda.*``)::
                       Tensor? cu_seqlens, Tensor? A_log, Tensor? dt_bias, float? lower_bound,
                       bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel,
                       bool allow_neg_eigval) -> Tensor o
-        the serving step: reads and writes state_pool [S, HV, K, V] in place at state_indices [N] (-1: padding)
+        the serving step: reads and writes state_pool [S, HV, K, V] in place at state_indices [N] (-1: padding);
+        defined with Library.define rather than custom_op (eager overhead, see its section), not differentiable
 
 Kernels: on CUDA the Triton kernels where :data:`TRITON_KERNELS` lists one, else the PyTorch reference; on the CPU
 the reference, or the Triton kernels under ``TRITON_INTERPRET=1`` when :func:`cpu_backend` selects ``"triton"``

@@ -149,7 +149,7 @@ def test_extreme_gates() -> None:
 
 
 def test_backward_of_long_sequence() -> None:
-    """T = 2048 (checkpoint interval 32: 64 segments recomputed and walked back)."""
+    """T = 2048 (checkpoint interval 64: 32 segments recomputed and walked back)."""
     x = _inputs("all", 1, 2048, 1, 128, 128, HV=2, dtype=BF16)
     _check(x, make_state(1, 2, 128, 128, device=DEV))
 
