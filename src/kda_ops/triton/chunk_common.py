@@ -1,9 +1,9 @@
 """Shared pieces of the chunk kernels: chunk geometry, per-product precision, register-block loads and stores.
 
-Geometry. A chunk is ``BT = 64`` consecutive tokens of one sequence, held in registers as ``NB = 4`` row blocks of
-``BC = 16`` tokens: a register block ``x3 [NB, BC, BK]`` keeps row ``I * BC + r`` of the chunk at ``x3[I, r]``.
-The 16-row blocks are what keeps the decays overflow-free (``chunk_intra``) and what the solve merges
-(``chunk_solve``).
+Geometry. A chunk is ``BT = 64`` consecutive tokens of one sequence; its tiles are loaded as ``[BT, BK]`` register
+blocks. Where the math works per 16-row block (the block path of ``chunk_intra``, the solve of ``chunk_solve``) a
+tile is reshaped to ``x3 [NB, BC, BK]`` (``NB = 4`` blocks of ``BC = 16`` rows): row ``I * BC + r`` of the chunk
+at ``x3[I, r]``.
 
 Precision. Every matrix product of the pipeline goes through :func:`mm` with a compile-time precision string:
 ``"bf16"`` (operands rounded to bf16, fp32 accumulation: tensor cores at full rate), ``"tf32"``, ``"tf32x3"`` or
@@ -29,11 +29,15 @@ BT = 64  # tokens per chunk
 BC = 16  # tokens per row block: the unit of the overflow-free decays and of the solve
 NB = BT // BC
 
-# Largest within-block span of the cumulative log decay (in nats) for which a diagonal 16x16 block is formed as a
-# factored product: its factors are then at most exp(60) ~ 1e26, far from fp32/bf16 overflow (3e38) even after
-# summing 256 products of entries ~10. Blocks with a larger span (a hard reset, g ~ -1000) take the exact pairwise
-# path instead.
-FACTOR_SPAN = 60.0
+# Largest span of the cumulative log decay (in nats) that a factored product may carry in one factor. A factor is
+# then at most exp(80) ~ 5.5e34: no fp32/bf16/tf32 overflow for inputs up to |x| ~ 6e3, no underflow below fp32's
+# normal range on the other side. The products of masked (future) entries may overflow; they are dropped by
+# `tl.where`, never multiplied by a mask.
+# ANCHOR_SPAN: the whole chunk factored around its middle row, when every half chunk spans <= 80 nats (gates up to
+# ~2.5 nats per token): one tensor-core product per key tile. FACTOR_SPAN: within one 16-row block of the block path
+# (gates up to 5 nats per token); blocks beyond it are formed pairwise, exactly.
+ANCHOR_SPAN = 80.0
+FACTOR_SPAN = 80.0
 
 PRECISIONS = ("bf16", "tf32", "tf32x3", "ieee")
 
@@ -160,19 +164,6 @@ def chunk_rows(NB: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def load3(ptr, tok3, m3, stride, o_k, m_k, DT: tl.constexpr):
-    """``x[tok, o_k]`` as a register block ``[NB, BC, BK]`` in ``DT`` (0 outside the masks); row stride ``stride``."""
-    p = ptr + tok3 * stride + o_k[None, None, :]
-    return tl.load(p, mask=m3 & m_k[None, None, :], other=0.0).to(DT)
-
-
-@triton.jit
-def store3(ptr, tok3, m3, stride, o_k, m_k, x):
-    p = ptr + tok3 * stride + o_k[None, None, :]
-    tl.store(p, x.to(ptr.dtype.element_ty), mask=m3 & m_k[None, None, :])
-
-
-@triton.jit
 def load2(ptr, tok, m, stride, o_k, m_k, DT: tl.constexpr):
     """``x[tok, o_k]`` as ``[BT, BK]`` in ``DT`` (0 outside the masks)."""
     p = ptr + tok[:, None] * stride + o_k[None, :]
@@ -192,15 +183,14 @@ def store2(ptr, tok, m, stride, o_k, m_k, x):
 
 
 @triton.jit
-def rnorm3(ptr, tok3, m3, stride, K: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr,
-           DT: tl.constexpr):
-    """``1 / sqrt(sum_d x[tok, d]^2 + 1e-6)`` per row, ``[NB, BC, 1]``: the l2norm factor over the whole key dim."""
-    ss = tl.zeros((NB, BC), dtype=DT)
+def rnorm2(ptr, tok, m, stride, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr):
+    """``1 / sqrt(sum_d x[tok, d]^2 + 1e-6)`` per row, ``[BT, 1]``: the l2norm factor over the whole key dim."""
+    ss = tl.zeros((BT,), dtype=DT)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        x = load3(ptr, tok3, m3, stride, o_k, col_mask(o_k, K, BK), DT)
-        ss += tl.sum(x * x, axis=2)
-    return (1.0 / tl.sqrt(ss + 1e-6))[:, :, None]
+        x = load2(ptr, tok, m, stride, o_k, col_mask(o_k, K, BK), DT)
+        ss += tl.sum(x * x, axis=1)
+    return (1.0 / tl.sqrt(ss + 1e-6))[:, None]
 
 
 @triton.jit
@@ -214,13 +204,6 @@ def beta_value(x, USE_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
 
 
 @triton.jit
-def load_beta3(ptr, tok3, m3, HV, i_hv, USE_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, DT: tl.constexpr):
-    """beta of the chunk's rows, ``[NB, BC, 1]``, 0 on padding rows."""
-    x = tl.load(ptr + tok3 * HV + i_hv, mask=m3, other=0.0).to(DT)
-    return tl.where(m3, beta_value(x, USE_SIGMOID, NEG_EIGVAL), 0.0)
-
-
-@triton.jit
 def load_beta2(ptr, tok, m, HV, i_hv, USE_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, DT: tl.constexpr):
     """beta of the chunk's rows, ``[BT]``, 0 on padding rows."""
     x = tl.load(ptr + tok * HV + i_hv, mask=m, other=0.0).to(DT)
@@ -228,9 +211,14 @@ def load_beta2(ptr, tok, m, HV, i_hv, USE_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.
 
 
 @triton.jit
-def slot_rows(slot_start, slot_count, i_c, NB: tl.constexpr, BC: tl.constexpr):
-    """Tokens of chunk slot ``i_c``: ``(count, tok3 [NB, BC, 1] int64, m3)`` (``m3``: the row holds a token)."""
+def slot_rows(slot_start, slot_count, i_c, BT: tl.constexpr):
+    """Tokens of chunk slot ``i_c``: ``(count, tok [BT] int64, m)`` (``m``: the row holds a token)."""
     count = tl.load(slot_count + i_c).to(tl.int32)
-    start = tl.load(slot_start + i_c).to(tl.int64)
-    r3 = chunk_rows(NB, BC)
-    return count, start + r3, r3 < count
+    rows = tl.arange(0, BT)
+    return count, tl.load(slot_start + i_c).to(tl.int64) + rows, rows < count
+
+
+@triton.jit
+def max2(x):
+    """The largest element of a 2-D block (a scalar)."""
+    return tl.max(tl.max(x, axis=1), axis=0)

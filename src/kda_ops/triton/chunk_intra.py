@@ -6,18 +6,21 @@ Per chunk and value head (``backward.md``, "The chunk, in rows")::
     Mkk[i, j] = beta_i sum_d k_id k_jd exp(Gam_id - Gam_jd)    j <  i
     Qt_i = s q_i exp(Gam_i),   Kend_i = k_i exp(Gam_last - Gam_i),   Gam_last
 
-No factor ``exp(-Gam)`` over the chunk ever appears (it overflows beyond a span of ~88). The chunk is cut into
-16-row blocks; with the block-local sums of :func:`~kda_ops.triton.chunk_cumsum.chunk_decays`, the pair
-``(i in block I, j in block J)`` is a product of two factors:
+No factor ``exp(-Gam)`` over the chunk ever appears (it overflows beyond a span of ~88 nats). Each key tile takes
+one of two paths, chosen from the tile's decays on the device:
 
-- ``J < I``: ``(q_i e^{w_i}) (k_j e^{s_j} e^{R_IJ})`` with ``R_IJ`` the blocks strictly between: both <= 1.
-- ``J = I``: ``(q_i e^{w_i}) (k_j e^{-w_j})``; the second factor is at most ``e^{span of block I}``. When every
-  block spans at most :data:`~kda_ops.triton.chunk_common.FACTOR_SPAN` nats (the usual case: gates of a few
-  nats per token) this is one tensor-core product; otherwise (a hard reset) the diagonal blocks are formed
-  pairwise, ``exp`` of exact segment sums, ``[NB, BC, BK]`` per column.
+- **anchored** (the usual case: every half chunk spans at most
+  :data:`~kda_ops.triton.chunk_common.ANCHOR_SPAN` nats, i.e. gates up to ~2.5 nats per token): with
+  ``E_i = Gam_i - Gam_31``, ``Mqk = (s q e^{E}) (k e^{-E})^T``, one tensor-core product ``[BT, BK] x [BK, BT]``.
+  Both factors stay within ``e^{+-80}``; a valid entry (``j <= i``) is a product of two such factors equal to a
+  decay ``<= 1``; a future entry may overflow and is dropped by the mask.
+- **block** (stronger decays): per 16-row block ``I`` and earlier block ``J``, the factors
+  ``(q_i e^{w_i}) (k_j e^{s_j} e^{R_IJ})`` (``R_IJ``: the blocks strictly between) are both ``<= 1``; the diagonal
+  block is ``(q_i e^{w_i}) (k_j e^{-w_j})`` while the block spans at most
+  :data:`~kda_ops.triton.chunk_common.FACTOR_SPAN` nats, else (a hard reset) pairwise, ``exp`` of exact segment
+  sums. Each row block is one batched product ``[BC, BK] x [BK, BT]``.
 
-So each row block ``I`` is one batched product ``[BC, BK] x [BK, BT]`` per key tile; the future entries that the
-factored diagonal block produces are masked after the product, always.
+The causal masks apply after the products, always.
 """
 
 from __future__ import annotations
@@ -29,24 +32,25 @@ from torch import Tensor
 
 from kda_ops.common import Options
 from kda_ops.triton.chunk_common import (
+    ANCHOR_SPAN,
     BC,
     BT,
     FACTOR_SPAN,
     NB,
     Precision,
-    chunk_rows,
     col_mask,
     compute_dtype,
     contiguous,
-    load3,
-    load_beta3,
+    load2,
+    load_beta2,
+    max2,
     mm,
     pow2,
-    rnorm3,
+    rnorm2,
     slot_rows,
-    store3,
+    store2,
 )
-from kda_ops.triton.chunk_cumsum import chunk_decays, gate_flags, load_log_decay
+from kda_ops.triton.chunk_cumsum import block_decays, chunk_decays, gate_flags, load_log_decay
 from kda_ops.triton.debug import poison
 from kda_ops.varlen import ChunkSlots
 
@@ -79,12 +83,12 @@ def on_diagonal(D, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
-def intra_tile(qs3, k3, g3, P, Ks, w, bs, Mqk3, Mkk3, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
-               BK: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, SPAN: tl.constexpr):
-    """Add one key tile to the row blocks ``Mqk3, Mkk3 [NB, BC, BT]`` (unmasked, without beta).
+def intra_tile(qs3, k3, g3, P, Ks, w, bs, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+               PREC: tl.constexpr, DT: tl.constexpr, SPAN: tl.constexpr):
+    """One key tile's row blocks ``Mqk3, Mkk3 [NB, BC, BT]`` by the block path (unmasked, without beta).
 
-    ``qs3 = s q``, ``k3``, ``g3``: the tile ``[NB, BC, BK]``; ``P = exp(w)``, ``Ks = k exp(s)`` and ``w, bs`` from
-    :func:`chunk_decays`.
+    ``qs3 = s q``, ``k3``, ``g3``: the tile as ``[NB, BC, BK]``; ``P = exp(w)``, ``Ks = k exp(s)`` and ``w, bs``
+    from :func:`~kda_ops.triton.chunk_cumsum.block_decays`.
     """
     blk = tl.arange(0, NB)
     I3 = blk[:, None, None]
@@ -101,8 +105,8 @@ def intra_tile(qs3, k3, g3, P, Ks, w, bs, Mqk3, Mkk3, NB: tl.constexpr, BC: tl.c
     # columns seen by row block I: earlier blocks decayed to the start of block I, and its own block
     Cf = eR[:, :, None, :] * Ks[None, :, :, :] + tl.where(J4 == I4, Kd[None, :, :, :], 0.0)
     CfT = tl.permute(tl.reshape(Cf, (NB, BT, BK)), (0, 2, 1))  # [NB, BK, BT]
-    Mqk3 += mm(qs3 * P, CfT, PREC, DT)
-    Mkk3 += mm(k3 * P, CfT, PREC, DT)
+    Mqk3 = mm(qs3 * P, CfT, PREC, DT)
+    Mkk3 = mm(k3 * P, CfT, PREC, DT)
     if span > SPAN:
         Dq, Dk = diag_pairwise(qs3, k3, g3, NB, BC, DT)
         Mqk3 += on_diagonal(Dq, NB, BC, BT)
@@ -111,36 +115,68 @@ def intra_tile(qs3, k3, g3, P, Ks, w, bs, Mqk3, Mkk3, NB: tl.constexpr, BC: tl.c
 
 
 @triton.jit
-def intra_pass(q, k, g, A_log, dt_bias, Qt, Kend, Gl, tok3, m3, i_c, i_h, i_hv, H, HV, scale, lower_bound, rq3, rk3,
-               K: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
-               USE_GATE: tl.constexpr, USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr,
-               PREC: tl.constexpr, DT: tl.constexpr, SPAN: tl.constexpr):
-    """Loop over key tiles: store ``Qt``, ``Kend`` and ``Gam_last``; return the unmasked ``Mqk3, Mkk3``."""
-    Mqk3 = tl.zeros((NB, BC, BT), dtype=DT)
-    Mkk3 = tl.zeros((NB, BC, BT), dtype=DT)
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = col_mask(o_k, K, BK)
-        qs3 = load3(q + i_h * K, tok3, m3, H * K, o_k, m_k, DT) * (rq3 * scale)
-        k3 = load3(k + i_h * K, tok3, m3, H * K, o_k, m_k, DT) * rk3
-        g3 = load_log_decay(g + i_hv * K, A_log, dt_bias, tok3, m3, HV * K, o_k, m_k, i_hv, lower_bound, K,
-                            USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)  # fmt: skip
-        w, s, bs, b, a, gl = chunk_decays(g3, NB)
-        P = tl.exp(w)  # exp(Gam_i - Gam before the block) <= 1
-        Ks = k3 * tl.exp(s)  # k_j exp(Gam at the block's end - Gam_j)
-        store3(Qt + i_hv * K, tok3, m3, HV * K, o_k, m_k, qs3 * P * tl.exp(b)[:, None, :])
-        store3(Kend + i_hv * K, tok3, m3, HV * K, o_k, m_k, Ks * tl.exp(a)[:, None, :])
-        tl.store(Gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, gl.to(Gl.dtype.element_ty), mask=m_k)
-        Mqk3, Mkk3 = intra_tile(qs3, k3, g3, P, Ks, w, bs, Mqk3, Mkk3, NB, BC, BT, BK, PREC, DT, SPAN)
-    return Mqk3, Mkk3
+def intra_blocks(qs, kk, g2, Mqk, Mkk, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                 PREC: tl.constexpr, DT: tl.constexpr, SPAN: tl.constexpr):
+    """Add one key tile ``[BT, BK]`` to ``Mqk, Mkk [BT, BT]`` by the block path."""
+    qs3 = tl.reshape(qs, (NB, BC, BK))
+    k3 = tl.reshape(kk, (NB, BC, BK))
+    g3 = tl.reshape(g2, (NB, BC, BK))
+    w, s, bs = block_decays(g3, NB)
+    Mqk3, Mkk3 = intra_tile(qs3, k3, g3, tl.exp(w), k3 * tl.exp(s), w, bs, NB, BC, BT, BK, PREC, DT, SPAN)
+    return Mqk + tl.reshape(Mqk3, (BT, BT)), Mkk + tl.reshape(Mkk3, (BT, BT))
 
 
 @triton.jit
-def intra_masks(Mqk3, Mkk3, beta3, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
+def intra_anchored(qs, kk, E, Mqk, Mkk, PREC: tl.constexpr, DT: tl.constexpr, SPAN: tl.constexpr):
+    """Add one key tile ``[BT, BK]`` to ``Mqk, Mkk [BT, BT]`` factored around the chunk's middle row
+    (``E = Gam - Gam_mid``; valid only when ``|E| <= SPAN``)."""
+    Rq = tl.exp(tl.minimum(E, SPAN))
+    kcT = tl.trans(kk * tl.exp(tl.minimum(-E, SPAN)))
+    Mqk += mm(qs * Rq, kcT, PREC, DT)
+    Mkk += mm(kk * Rq, kcT, PREC, DT)
+    return Mqk, Mkk
+
+
+@triton.jit
+def key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, tok, m, i_c, i_h, i_hv, H, HV, scale, lower_bound, rq, rk, i_k,
+             K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr,
+             USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, DT: tl.constexpr):
+    """Load key tile ``i_k`` of the chunk and store its ``Qt``, ``Kend`` and ``Gam_last``.
+
+    Returns ``s q``, ``k`` (l2-normalised when asked), ``g`` (after the gate) and ``E = Gam - Gam_mid``, ``[BT, BK]``.
+    """
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = col_mask(o_k, K, BK)
+    qs = load2(q + i_h * K, tok, m, H * K, o_k, m_k, DT) * (rq * scale)
+    kk = load2(k + i_h * K, tok, m, H * K, o_k, m_k, DT) * rk
+    g2 = load_log_decay(g + i_hv * K, A_log, dt_bias, tok, m, HV * K, o_k, m_k, i_hv, lower_bound, K,
+                        USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)  # fmt: skip
+    Gam, to_end, gl, E = chunk_decays(g2, BT)
+    store2(Qt + i_hv * K, tok, m, HV * K, o_k, m_k, qs * tl.exp(Gam))
+    store2(Kend + i_hv * K, tok, m, HV * K, o_k, m_k, kk * tl.exp(to_end))
+    tl.store(Gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, gl.to(Gl.dtype.element_ty), mask=m_k)
+    return qs, kk, g2, E
+
+
+@triton.jit
+def qk_norms(q, k, tok, m, i_h, H, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+             USE_L2NORM: tl.constexpr, DT: tl.constexpr):
+    """The l2norm factors of the chunk's q and k rows, ``[BT, 1]`` (1.0 without l2norm)."""
+    if USE_L2NORM:
+        rq = rnorm2(q + i_h * K, tok, m, H * K, K, BK, BT, DT)
+        rk = rnorm2(k + i_h * K, tok, m, H * K, K, BK, BT, DT)
+    else:
+        rq = 1.0
+        rk = 1.0
+    return rq, rk
+
+
+@triton.jit
+def intra_masks(Mqk, Mkk, beta, BT: tl.constexpr):
     """The causal masks (with the diagonal for Mqk, strictly below it for Mkk) and beta_i on Mkk's rows."""
-    rows = chunk_rows(NB, BC)
-    cols = tl.arange(0, BT)[None, None, :]
-    return tl.where(cols <= rows, Mqk3, 0.0), tl.where(cols < rows, Mkk3 * beta3, 0.0)
+    rows = tl.arange(0, BT)[:, None]
+    cols = tl.arange(0, BT)[None, :]
+    return tl.where(cols <= rows, Mqk, 0.0), tl.where(cols < rows, Mkk, 0.0) * beta[:, None]
 
 
 @triton.jit
@@ -149,27 +185,28 @@ def chunk_intra_kernel(
     K: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
     USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr, USE_BIAS: tl.constexpr,
     USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
-    PREC: tl.constexpr, DT: tl.constexpr, SPAN: tl.constexpr,
+    PREC: tl.constexpr, DT: tl.constexpr, ASPAN: tl.constexpr, SPAN: tl.constexpr,
 ):  # fmt: skip
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
-    count, tok3, m3 = slot_rows(slot_start, slot_count, i_c, NB, BC)
+    count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
     if count == 0:
         return
-    if USE_L2NORM:
-        rq3 = rnorm3(q + i_h * K, tok3, m3, H * K, K, BK, NB, BC, DT)
-        rk3 = rnorm3(k + i_h * K, tok3, m3, H * K, K, BK, NB, BC, DT)
-    else:
-        rq3 = 1.0
-        rk3 = 1.0
-    Mqk3, Mkk3 = intra_pass(q, k, g, A_log, dt_bias, Qt, Kend, Gl, tok3, m3, i_c, i_h, i_hv, H, HV, scale,
-                            lower_bound, rq3, rk3, K, BK, NB, BC, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND,
-                            PREC, DT, SPAN)  # fmt: skip
-    beta3 = load_beta3(beta, tok3, m3, HV, i_hv, BETA_SIGMOID, NEG_EIGVAL, DT)
-    Mqk3, Mkk3 = intra_masks(Mqk3, Mkk3, beta3, NB, BC, BT)
+    rq, rk = qk_norms(q, k, tok, m, i_h, H, K, BK, BT, USE_L2NORM, DT)
+    Mqk2 = tl.zeros((BT, BT), dtype=DT)
+    Mkk2 = tl.zeros((BT, BT), dtype=DT)
+    for i_k in range(tl.cdiv(K, BK)):
+        qs, kk, g2, E = key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, tok, m, i_c, i_h, i_hv, H, HV, scale,
+                                 lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)
+        if max2(tl.abs(E)) <= ASPAN:
+            Mqk2, Mkk2 = intra_anchored(qs, kk, E, Mqk2, Mkk2, PREC, DT, ASPAN)
+        else:
+            Mqk2, Mkk2 = intra_blocks(qs, kk, g2, Mqk2, Mkk2, NB, BC, BT, BK, PREC, DT, SPAN)
+    beta2 = load_beta2(beta, tok, m, HV, i_hv, BETA_SIGMOID, NEG_EIGVAL, DT)
+    Mqk2, Mkk2 = intra_masks(Mqk2, Mkk2, beta2, BT)
     cols = tl.arange(0, BT)
-    store3(Mqk + i_hv * BT, tok3, m3, HV * BT, cols, col_mask(cols, BT, BT), Mqk3)
-    store3(Mkk + i_hv * BT, tok3, m3, HV * BT, cols, col_mask(cols, BT, BT), Mkk3)
+    store2(Mqk + i_hv * BT, tok, m, HV * BT, cols, col_mask(cols, BT, BT), Mqk2)
+    store2(Mkk + i_hv * BT, tok, m, HV * BT, cols, col_mask(cols, BT, BT), Mkk2)
 
 
 def chunk_intra(
@@ -206,9 +243,19 @@ def chunk_intra(
         slots.start, slots.count, float(scale), 0.0 if opts.lower_bound is None else float(opts.lower_bound), H, HV,
         K=K, BK=min(pow2(K), 32), NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm,
         BETA_SIGMOID=opts.use_beta_sigmoid, NEG_EIGVAL=opts.allow_neg_eigval, PREC=precision.intra,
-        DT=compute_dtype(q), SPAN=FACTOR_SPAN, **gate_flags(opts, A_log, dt_bias),
+        DT=compute_dtype(q), ASPAN=ANCHOR_SPAN, SPAN=FACTOR_SPAN, **gate_flags(opts, A_log, dt_bias),
     )  # fmt: skip
     return Mqk, Mkk, Qt, Kend, Gl
 
 
-__all__ = ["chunk_intra", "diag_pairwise", "intra_masks", "intra_pass", "intra_tile", "on_diagonal"]
+__all__ = [
+    "chunk_intra",
+    "diag_pairwise",
+    "intra_anchored",
+    "intra_blocks",
+    "intra_masks",
+    "intra_tile",
+    "key_tile",
+    "on_diagonal",
+    "qk_norms",
+]

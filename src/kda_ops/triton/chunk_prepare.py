@@ -3,9 +3,18 @@
 The program computes the chunk's decays in registers (stage 1), ``Mqk``, ``Mkk``, ``Qt``, ``Kend`` (stage 2), then
 ``Tm = (I + Mkk)^-1`` and the WY factors (stage 3), and writes only what the state scan reads: ``Mqk``, ``W``,
 ``U``, ``Qt``, ``Kend`` (per token, in ``precision.store``) and ``Gam_last`` (per slot). ``Gam``, ``Mkk`` and
-``Tm`` never leave the chip: at T = 32k, HV = 32, K = V = 128 the fused kernel moves ~2.6 GB where the staged
-pipeline moves ~6 GB. The stage functions it calls are those of the standalone stages, each tested against its
+``Tm`` never leave the chip: at T = 32k, HV = 32, K = V = 128 the fused kernels move ~2.6 GB where the staged
+pipeline moves ~6 GB. The stage functions they call are those of the standalone stages, each tested against its
 own oracle.
+
+Two kernels share the work (``chunk_intra`` explains the two paths):
+
+- :func:`chunk_prepare_kernel` takes the anchored path for every key tile: one tensor-core product per tile, no
+  16-row blocks, few registers. A chunk whose decays span too far for it (``|Gam - Gam_mid| > 80`` nats
+  somewhere) is flagged and left alone.
+- :func:`chunk_prepare_blocks_kernel` redoes the flagged chunks by the block path (and returns at once for the
+  others). When the options bound the gate below ``-2.5`` nats per token (``lower_bound``), where the anchored path
+  would often fail, it runs alone, for every chunk, and the first kernel is not launched.
 
 The grid is the static chunk-slot map (:func:`kda_ops.varlen.chunk_slots`): ``cdiv(T, BT) + N`` slots, a program
 whose slot holds no token returns at once.
@@ -20,6 +29,7 @@ from torch import Tensor
 
 from kda_ops.common import Options
 from kda_ops.triton.chunk_common import (
+    ANCHOR_SPAN,
     BC,
     BT,
     FACTOR_SPAN,
@@ -29,66 +39,114 @@ from kda_ops.triton.chunk_common import (
     col_mask,
     compute_dtype,
     contiguous,
-    load_beta3,
+    load_beta2,
+    max2,
     pow2,
-    rnorm3,
     slot_rows,
-    store3,
+    store2,
 )
 from kda_ops.triton.chunk_cumsum import gate_flags
-from kda_ops.triton.chunk_intra import intra_masks, intra_pass
+from kda_ops.triton.chunk_intra import intra_anchored, intra_blocks, intra_masks, key_tile, qk_norms
 from kda_ops.triton.chunk_solve import solve_unit_lower, wy_pass
 from kda_ops.triton.debug import poison
 from kda_ops.varlen import ChunkSlots
 
-# Key tiles of 16..64 channels; the intra products keep a [NB, BT, BK] column block and two [NB, BC, BT]
-# accumulators live, so larger BK wants 8 warps.
 # TODO(bench): prune to the winners of `python benchmarks/bench_chunk.py` on the H200.
 _CONFIGS = autotune_configs(
-    [
-        triton.Config({"BK": bk}, num_warps=w, num_stages=1)
-        for bk, w in ((32, 4), (16, 4), (32, 8), (64, 8))
-    ]
+    [triton.Config({"BK": bk}, num_warps=w, num_stages=1) for bk, w in ((64, 4), (32, 4), (128, 4), (64, 8), (128, 8))]
 )
-
+# the block path keeps [NB, NB, BC, BK] column blocks and [NB, BC, BT] products live: small key tiles
+_BLOCK_CONFIGS = autotune_configs(
+    [triton.Config({"BK": bk}, num_warps=w, num_stages=1) for bk, w in ((32, 4), (16, 4), (32, 8), (16, 8))]
+)
 _FLAGS = ["USE_L2NORM", "USE_GATE", "USE_A", "USE_BIAS", "USE_BOUND", "BETA_SIGMOID", "NEG_EIGVAL"]
+_KEY = ["K", "V", *_FLAGS, "PREC_INTRA", "PREC_SOLVE", "PREC_WY"]
 
 
-@triton.autotune(configs=_CONFIGS, key=["K", "V", *_FLAGS, "PREC_INTRA", "PREC_SOLVE", "PREC_WY"])
+@triton.jit
+def solve_and_store(Mqk2, Mkk2, Mqk, k, v, g, beta, A_log, dt_bias, W, U, tok, m, i_h, i_hv, H, HV, lower_bound, rk,
+                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
+                    BC: tl.constexpr, BT: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr,
+                    USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+                    NEG_EIGVAL: tl.constexpr, PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr, DT: tl.constexpr):
+    """Masks; store Mqk; stage 3: ``Tm = (I + Mkk)^-1``, store ``W = Tm diag(beta) Kt`` and ``U = Tm diag(beta) V``."""
+    beta2 = load_beta2(beta, tok, m, HV, i_hv, BETA_SIGMOID, NEG_EIGVAL, DT)
+    Mqk2, Mkk2 = intra_masks(Mqk2, Mkk2, beta2, BT)
+    cols = tl.arange(0, BT)
+    store2(Mqk + i_hv * BT, tok, m, HV * BT, cols, col_mask(cols, BT, BT), Mqk2)
+    T2 = solve_unit_lower(Mkk2, NB, BC, BT, PREC_SOLVE, DT)
+    wy_pass(T2, k, v, g, beta, A_log, dt_bias, W, U, tok, m, i_h, i_hv, H, HV, lower_bound, rk, K, V, BK, BV, BT,
+            USE_GATE, USE_A, USE_BIAS, USE_BOUND, BETA_SIGMOID, NEG_EIGVAL, PREC_WY, DT)  # fmt: skip
+
+
+@triton.autotune(configs=_CONFIGS, key=_KEY)
 @triton.jit
 def chunk_prepare_kernel(
-    q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, slot_start, slot_count, scale, lower_bound, H, HV,
-    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr,
-    BT: tl.constexpr, USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr,
+    q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Flag, slot_start, slot_count, scale, lower_bound,
+    H, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
+    BC: tl.constexpr, BT: tl.constexpr, USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr,
     USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
     PREC_INTRA: tl.constexpr, PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr, DT: tl.constexpr,
-    SPAN: tl.constexpr,
+    ASPAN: tl.constexpr,
 ):  # fmt: skip
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
-    count, tok3, m3 = slot_rows(slot_start, slot_count, i_c, NB, BC)
+    count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
     if count == 0:
         return
-    if USE_L2NORM:
-        rq3 = rnorm3(q + i_h * K, tok3, m3, H * K, K, BK, NB, BC, DT)
-        rk3 = rnorm3(k + i_h * K, tok3, m3, H * K, K, BK, NB, BC, DT)
-    else:
-        rq3 = 1.0
-        rk3 = 1.0
-    # stages 1-2: decays, Qt, Kend, Gam_last (stored) and Mqk, Mkk (registers)
-    Mqk3, Mkk3 = intra_pass(q, k, g, A_log, dt_bias, Qt, Kend, Gl, tok3, m3, i_c, i_h, i_hv, H, HV, scale,
-                            lower_bound, rq3, rk3, K, BK, NB, BC, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND,
-                            PREC_INTRA, DT, SPAN)  # fmt: skip
-    beta3 = load_beta3(beta, tok3, m3, HV, i_hv, BETA_SIGMOID, NEG_EIGVAL, DT)
-    Mqk3, Mkk3 = intra_masks(Mqk3, Mkk3, beta3, NB, BC, BT)
-    cols = tl.arange(0, BT)
-    store3(Mqk + i_hv * BT, tok3, m3, HV * BT, cols, col_mask(cols, BT, BT), Mqk3)
-    # stage 3: Tm = (I + Mkk)^-1, W = Tm diag(beta) Kt, U = Tm diag(beta) V
-    T2 = tl.reshape(solve_unit_lower(Mkk3, NB, BC, BT, PREC_SOLVE, DT), (BT, BT))
-    tok = tl.load(slot_start + i_c).to(tl.int64) + cols
-    wy_pass(T2, k, v, g, beta, A_log, dt_bias, W, U, tok3, m3, tok, cols < count, i_h, i_hv, H, HV, lower_bound,
-            rk3, K, V, BK, BV, NB, BC, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, BETA_SIGMOID, NEG_EIGVAL, PREC_WY,
-            DT)  # fmt: skip
+    rq, rk = qk_norms(q, k, tok, m, i_h, H, K, BK, BT, USE_L2NORM, DT)
+    # stages 1-2: decays, Qt, Kend, Gam_last (stored) and Mqk, Mkk (registers), anchored at the middle row
+    Mqk2 = tl.zeros((BT, BT), dtype=DT)
+    Mkk2 = tl.zeros((BT, BT), dtype=DT)
+    span = 0.0
+    for i_k in range(tl.cdiv(K, BK)):
+        qs, kk, g2, E = key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, tok, m, i_c, i_h, i_hv, H, HV, scale,
+                                 lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)
+        span = tl.maximum(span, max2(tl.abs(E)).to(tl.float32))  # fp32 whatever DT: a loop-carried scalar
+        Mqk2, Mkk2 = intra_anchored(qs, kk, E, Mqk2, Mkk2, PREC_INTRA, DT, ASPAN)
+    tl.store(Flag + i_c.to(tl.int64) * HV + i_hv, (span > ASPAN).to(tl.int32))
+    if span <= ASPAN:
+        solve_and_store(Mqk2, Mkk2, Mqk, k, v, g, beta, A_log, dt_bias, W, U, tok, m, i_h, i_hv, H, HV, lower_bound,
+                        rk, K, V, BK, BV, NB, BC, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, BETA_SIGMOID, NEG_EIGVAL,
+                        PREC_SOLVE, PREC_WY, DT)  # fmt: skip
+
+
+@triton.autotune(configs=_BLOCK_CONFIGS, key=[*_KEY, "CHECK_FLAG"])
+@triton.jit
+def chunk_prepare_blocks_kernel(
+    q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Flag, slot_start, slot_count, scale, lower_bound,
+    H, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
+    BC: tl.constexpr, BT: tl.constexpr, USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr,
+    USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
+    PREC_INTRA: tl.constexpr, PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr, DT: tl.constexpr,
+    SPAN: tl.constexpr, CHECK_FLAG: tl.constexpr,
+):  # fmt: skip
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
+    if count == 0:
+        return
+    if CHECK_FLAG:
+        if tl.load(Flag + i_c.to(tl.int64) * HV + i_hv) == 0:
+            return
+    rq, rk = qk_norms(q, k, tok, m, i_h, H, K, BK, BT, USE_L2NORM, DT)
+    Mqk2 = tl.zeros((BT, BT), dtype=DT)
+    Mkk2 = tl.zeros((BT, BT), dtype=DT)
+    for i_k in range(tl.cdiv(K, BK)):
+        qs, kk, g2, E = key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, tok, m, i_c, i_h, i_hv, H, HV, scale,
+                                 lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)
+        Mqk2, Mkk2 = intra_blocks(qs, kk, g2, Mqk2, Mkk2, NB, BC, BT, BK, PREC_INTRA, DT, SPAN)
+    solve_and_store(Mqk2, Mkk2, Mqk, k, v, g, beta, A_log, dt_bias, W, U, tok, m, i_h, i_hv, H, HV, lower_bound, rk,
+                    K, V, BK, BV, NB, BC, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, BETA_SIGMOID, NEG_EIGVAL,
+                    PREC_SOLVE, PREC_WY, DT)  # fmt: skip
+
+
+def anchored_path_usable(opts: Options) -> bool:
+    """Whether to try the anchored path first: always, unless the gate's lower bound is known and lets half a chunk
+    span more than ANCHOR_SPAN nats (below -2.5 per token; a bound of -5 then guarantees the block path's factored
+    diagonal blocks, 16 x 5 = 80 nats). Decided from the options, never from data."""
+    lb = opts.lower_bound if opts.use_gate else None
+    return lb is None or abs(lb) * (BT // 2) <= ANCHOR_SPAN
 
 
 def chunk_prepare(
@@ -120,16 +178,22 @@ def chunk_prepare(
     Kend = torch.empty_like(W)
     U = v.new_empty(T, HV, V, dtype=store)
     Gl = q.new_empty(NC, HV, K, dtype=torch.float64 if v.dtype == torch.float64 else torch.float32)
-    poison(Mqk, W, U, Qt, Kend, Gl)
-    chunk_prepare_kernel[(NC, HV)](
+    Flag = q.new_empty(NC, HV, dtype=torch.int32)
+    poison(Mqk, W, U, Qt, Kend, Gl, Flag)
+    args = (
         contiguous(q), contiguous(k), contiguous(v), contiguous(g), contiguous(beta), A_log, dt_bias,
-        Mqk, W, U, Qt, Kend, Gl, slots.start, slots.count, float(scale),
+        Mqk, W, U, Qt, Kend, Gl, Flag, slots.start, slots.count, float(scale),
         0.0 if opts.lower_bound is None else float(opts.lower_bound), H, HV,
+    )  # fmt: skip
+    meta = dict(
         K=K, V=V, BV=min(pow2(V), 64), NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm,
         BETA_SIGMOID=opts.use_beta_sigmoid, NEG_EIGVAL=opts.allow_neg_eigval, PREC_INTRA=precision.intra,
-        PREC_SOLVE=precision.solve, PREC_WY=precision.wy, DT=compute_dtype(v), SPAN=FACTOR_SPAN,
-        **gate_flags(opts, A_log, dt_bias),
+        PREC_SOLVE=precision.solve, PREC_WY=precision.wy, DT=compute_dtype(v), **gate_flags(opts, A_log, dt_bias),
     )  # fmt: skip
+    anchored = anchored_path_usable(opts)
+    if anchored:
+        chunk_prepare_kernel[(NC, HV)](*args, **meta, ASPAN=ANCHOR_SPAN)
+    chunk_prepare_blocks_kernel[(NC, HV)](*args, **meta, SPAN=FACTOR_SPAN, CHECK_FLAG=anchored)
     return Mqk, W, U, Qt, Kend, Gl
 
 

@@ -25,25 +25,23 @@ from kda_ops.triton.chunk_common import (
     compute_dtype,
     contiguous,
     load2,
-    load3,
     load_beta2,
-    load_beta3,
     mm,
     pow2,
-    rnorm3,
+    rnorm2,
     slot_rows,
     store2,
-    store3,
 )
-from kda_ops.triton.chunk_cumsum import chunk_decays, gate_flags, load_log_decay
+from kda_ops.triton.chunk_cumsum import gate_flags, load_log_decay
 from kda_ops.triton.debug import poison
 from kda_ops.varlen import ChunkSlots
 
 
 @triton.jit
-def solve_unit_lower(N3, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
+def solve_unit_lower(N2, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
                      DT: tl.constexpr):
-    """``(I + N)^-1`` for strictly lower triangular ``N``, both as row blocks ``[NB, BC, BT]``."""
+    """``(I + N)^-1 [BT, BT]`` for strictly lower triangular ``N [BT, BT]``."""
+    N3 = tl.reshape(N2, (NB, BC, BT))  # row blocks
     blk = tl.arange(0, NB)
     r = tl.arange(0, BC)
     r3 = r[None, :, None]
@@ -65,31 +63,32 @@ def solve_unit_lower(N3, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, P
         R = mm(N_I, tl.reshape(T3, (BT, BT)), PREC, DT)  # N[I, <I] Tm[<I, :]
         Td_I = tl.sum(tl.where(sel, Td, 0.0), axis=0)  # [BC, BC]
         T3 += tl.where(sel, -mm(Td_I, R, PREC, DT)[None, :, :], 0.0)
-    return T3
+    return tl.reshape(T3, (BT, BT))
 
 
 @triton.jit
-def wy_pass(T2, k, v, g, beta, A_log, dt_bias, W, U, tok3, m3, tok, m, i_h, i_hv, H, HV, lower_bound, rk3,
-            K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
-            BC: tl.constexpr, BT: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr,
-            USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
-            PREC: tl.constexpr, DT: tl.constexpr):
-    """Store ``W = Tm diag(beta) Kt`` and ``U = Tm diag(beta) V`` for ``Tm = T2 [BT, BT]`` (rows ``tok``)."""
-    beta3 = load_beta3(beta, tok3, m3, HV, i_hv, BETA_SIGMOID, NEG_EIGVAL, DT)
+def wy_pass(T2, k, v, g, beta, A_log, dt_bias, W, U, tok, m, i_h, i_hv, H, HV, lower_bound, rk,
+            K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+            USE_GATE: tl.constexpr, USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr,
+            BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """Store ``W = Tm diag(beta) Kt`` and ``U = Tm diag(beta) V`` for ``Tm = T2 [BT, BT]`` (rows ``tok``).
+
+    ``Kt = k exp(Gam)`` is recomputed from ``g`` (a prefix sum of one sign: no cancellation); ``rk`` is the
+    l2norm factor of the rows of k (or 1.0).
+    """
+    beta2 = load_beta2(beta, tok, m, HV, i_hv, BETA_SIGMOID, NEG_EIGVAL, DT)[:, None]
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = col_mask(o_k, K, BK)
-        k3 = load3(k + i_h * K, tok3, m3, H * K, o_k, m_k, DT) * rk3
-        g3 = load_log_decay(g + i_hv * K, A_log, dt_bias, tok3, m3, HV * K, o_k, m_k, i_hv, lower_bound, K,
+        kk = load2(k + i_h * K, tok, m, H * K, o_k, m_k, DT) * rk
+        g2 = load_log_decay(g + i_hv * K, A_log, dt_bias, tok, m, HV * K, o_k, m_k, i_hv, lower_bound, K,
                             USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)  # fmt: skip
-        w, s, bs, b, a, gl = chunk_decays(g3, NB)
-        bKt = tl.reshape(beta3 * k3 * tl.exp(w + b[:, None, :]), (BT, BK))
+        bKt = beta2 * kk * tl.exp(tl.cumsum(g2, axis=0))
         store2(W + i_hv * K, tok, m, HV * K, o_k, m_k, mm(T2, bKt, PREC, DT))
-    beta2 = load_beta2(beta, tok, m, HV, i_hv, BETA_SIGMOID, NEG_EIGVAL, DT)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = col_mask(o_v, V, BV)
-        bv = load2(v + i_hv * V, tok, m, HV * V, o_v, m_v, DT) * beta2[:, None]
+        bv = load2(v + i_hv * V, tok, m, HV * V, o_v, m_v, DT) * beta2
         store2(U + i_hv * V, tok, m, HV * V, o_v, m_v, mm(T2, bv, PREC, DT))
 
 
@@ -103,21 +102,19 @@ def chunk_solve_kernel(
 ):  # fmt: skip
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
-    count, tok3, m3 = slot_rows(slot_start, slot_count, i_c, NB, BC)
+    count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
     if count == 0:
         return
     cols = tl.arange(0, BT)
-    N3 = load3(Mkk + i_hv * BT, tok3, m3, HV * BT, cols, col_mask(cols, BT, BT), DT)
-    T3 = solve_unit_lower(N3, NB, BC, BT, PREC_SOLVE, DT)
-    store3(Tm + i_hv * BT, tok3, m3, HV * BT, cols, col_mask(cols, BT, BT), T3)
+    m_c = col_mask(cols, BT, BT)
+    T2 = solve_unit_lower(load2(Mkk + i_hv * BT, tok, m, HV * BT, cols, m_c, DT), NB, BC, BT, PREC_SOLVE, DT)
+    store2(Tm + i_hv * BT, tok, m, HV * BT, cols, m_c, T2)
     if USE_L2NORM:
-        rk3 = rnorm3(k + i_h * K, tok3, m3, H * K, K, BK, NB, BC, DT)
+        rk = rnorm2(k + i_h * K, tok, m, H * K, K, BK, BT, DT)
     else:
-        rk3 = 1.0
-    tok = tl.load(slot_start + i_c).to(tl.int64) + cols
-    wy_pass(tl.reshape(T3, (BT, BT)), k, v, g, beta, A_log, dt_bias, W, U, tok3, m3, tok, cols < count, i_h, i_hv,
-            H, HV, lower_bound, rk3, K, V, BK, BV, NB, BC, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, BETA_SIGMOID,
-            NEG_EIGVAL, PREC_WY, DT)  # fmt: skip
+        rk = 1.0
+    wy_pass(T2, k, v, g, beta, A_log, dt_bias, W, U, tok, m, i_h, i_hv, H, HV, lower_bound, rk, K, V, BK, BV, BT,
+            USE_GATE, USE_A, USE_BIAS, USE_BOUND, BETA_SIGMOID, NEG_EIGVAL, PREC_WY, DT)  # fmt: skip
 
 
 def chunk_solve(
