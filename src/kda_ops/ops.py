@@ -41,7 +41,7 @@ from kda_ops import reference
 from kda_ops.common import Options, backward_outputs, forward_outputs
 
 # Ops whose CUDA kernel (and CPU kernel under the "triton" CPU backend) is Triton; the rest run the reference.
-TRITON_KERNELS: frozenset[str] = frozenset({"chunk", "recurrent", "recurrent_bwd", "recurrent_update_"})
+TRITON_KERNELS: frozenset[str] = frozenset({"chunk", "chunk_bwd", "recurrent", "recurrent_bwd", "recurrent_update_"})
 
 _cpu_backend = os.environ.get("KDA_OPS_CPU_BACKEND", "reference")
 

@@ -1,0 +1,110 @@
+"""The chunkwise KDA backward in Triton: the driver of the backward stages (``backward.md``).
+
+Per value head, chunks of ``BT = 64`` tokens, the forward's notation (:mod:`kda_ops.triton.chunk`)::
+
+    q, k, g, beta  <- the options (l2norm, gate, beta sigmoid), in torch              (chunk_bwd_gates)
+    Mqk, Qt, Kend, Gam_last, Tm, W, Hin, E  <- the forward, recomputed                (chunk_bwd_recompute)
+    dS' (per chunk), dE = Kend dS' + Mqk^T dO, dS = e^{Gam_last} dS' + Qt^T dO - W^T dE
+                                                    reverse scan; dh0 = dS            (chunk_bwd_scan)
+    dv, dMqk, dMkk = -tril(Tm^T dT Tm^T), dKt, dbeta (through U, W, Tm)                (chunk_bwd_dv)
+    dq, dk, dg = revcumsum(dGam), dbeta (through Mqk, Mkk, Qt, Kt, Kend, e^{Gam_last}) (chunk_bwd_dqk)
+    dq, dk summed over each group of value heads; chain rules of the options          (chunk_bwd_gates)
+
+Nothing reads a value on the host and every allocation is shaped by ``T``, ``N`` and the head sizes: the chunk-slot
+map (:func:`kda_ops.varlen.chunk_slots`) is static, the scan reads ``cu_seqlens`` on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kda_ops.common import Options, state_dtype
+from kda_ops.triton.chunk_bwd_dqk import chunk_bwd_dqk
+from kda_ops.triton.chunk_bwd_dv import chunk_bwd_dv
+from kda_ops.triton.chunk_bwd_gates import prepare, prepare_bwd
+from kda_ops.triton.chunk_bwd_recompute import chunk_bwd_recompute, recompute_precision
+from kda_ops.triton.chunk_bwd_scan import chunk_bwd_scan
+from kda_ops.triton.chunk_common import BT, contiguous, interpreting
+from kda_ops.varlen import chunk_slots, flat_cu_seqlens
+
+
+def product_precisions(dtype: torch.dtype) -> tuple[str, str]:
+    """``(PREC, PREC_T)`` of the gradient kernels: the products, and the two through the inverse ``Tm``.
+
+    fp64 exact; fp32 3xTF32 (~2e-7 a product); 16-bit tf32 (~3e-4 a product, within the 8e-3 budget of the
+    gradients), 3xTF32 through the inverse (the error hot spot). The interpreter computes all in exact fp32.
+    TODO(bench): bf16 operands where the error budget allows, measured on the H200.
+    """
+    if dtype == torch.float64 or interpreting():
+        return "ieee", "ieee"
+    if dtype == torch.float32:
+        return "tf32x3", "tf32x3"
+    return "tf32", "tf32x3"
+
+
+def chunk_bwd(
+    do: Tensor,
+    dht: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    opts: Options,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """``(dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)``: the signature of ``reference.chunk_bwd``.
+
+    Gradients in the dtypes of their inputs (dh0 in the initial state's); None where an input is absent.
+    ``dht`` (``[N, HV, K, V]``, None or empty: zero) is the gradient of the final state.
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    dt = state_dtype(v)
+    G = HV // H
+    if dht is not None and dht.numel() == 0:
+        dht = None
+    qf, kf, vf, gf, bf = (contiguous(x).flatten(0, 1) for x in (q, k, v, g, beta))
+    qp, kp, gp, bp = prepare(qf, kf, gf, bf, A_log, dt_bias, opts, dt)
+    cu = flat_cu_seqlens(cu_seqlens, B, T, v.device)
+    N = cu.shape[0] - 1
+    dO = contiguous(do).flatten(0, 1)
+    if B * T == 0:
+        zq, zk, zg, zb = (torch.zeros_like(x, dtype=dt) for x in (qf, kf, gf, bf))
+        dv_t = torch.zeros_like(vf, dtype=dt)
+        dh0: Tensor = torch.zeros(N, HV, K, V, dtype=dt, device=v.device) if dht is None else dht.to(dt)
+    else:
+        slots = chunk_slots(cu, B * T, BT)
+        h0 = None if initial_state is None else contiguous(initial_state.to(dt))
+        prec, prec_t = product_precisions(v.dtype)
+        fw = chunk_bwd_recompute(qp, kp, vf, gp, bp, scale, h0, cu, slots, recompute_precision(v.dtype))
+        dht_c = None if dht is None else dht.to(dt)
+        dE, dSp, dh0_ = chunk_bwd_scan(
+            dO, fw.Mqk, fw.Qt, fw.Kend, fw.W, fw.Gl, dht_c, cu, prec, initial_state is not None
+        )
+        dv_t, dbeta_p, dMqk, dMkk, dKt, Gam = chunk_bwd_dv(kp, vf, gp, bp, fw.Tm, fw.Hin, fw.E, dE, dO, slots, prec,
+                                                          prec_t)  # fmt: skip
+        dq_v, dk_v, zg, zb = chunk_bwd_dqk(qp, kp, Gam, fw.Gl, bp, dMqk, dMkk, dKt, fw.Hin, fw.E, dSp, dO, dbeta_p,
+                                           scale, slots, prec)  # fmt: skip
+        zq = dq_v.view(B * T, H, G, K).sum(2)
+        zk = dk_v.view(B * T, H, G, K).sum(2)
+        dh0 = dh0_ if dh0_ is not None else dSp.new_empty(0)
+    dq, dk, dg, dbeta, dA, ddt = prepare_bwd(qf, kf, gf, bf, A_log, dt_bias, opts, zq, zk, zg, zb)
+    return (
+        dq.view_as(q).to(q.dtype),
+        dk.view_as(k).to(k.dtype),
+        dv_t.view_as(v).to(v.dtype),
+        dg.view_as(g).to(g.dtype),
+        dbeta.view_as(beta).to(beta.dtype),
+        None if initial_state is None else dh0.to(initial_state.dtype),
+        None if dA is None or A_log is None else dA.to(A_log.dtype),
+        None if ddt is None or dt_bias is None else ddt.to(dt_bias.dtype),
+    )
+
+
+__all__ = ["chunk_bwd", "product_precisions"]

@@ -1,0 +1,205 @@
+"""Backward stage 3b: per chunk, the key-side gradients dq, dk, dg and the rest of dbeta.
+
+One program per (chunk slot, value head) walks the key tiles. Per tile (``backward.md``)::
+
+    dQt = dO S^T,   dKend = E dS'^T                               (a loop over value tiles)
+    through Mqk = s (q, k) pairwise products, dX = s dMqk;  through Mkk = beta (k, k) pairwise products,
+        dX = diag(beta) dMkk,  and  dbeta_i += sum_j dMkk_ij P_ij  (P = Mkk / beta_i, never divided)
+    dq   = da_qk + s exp(Gam) dQt
+    dk   = db_qk + da_kk + db_kk + exp(Gam) dKt + exp(Gam_last - Gam) dKend
+    dGam = q da_qk - k db_qk + k da_kk - k db_kk + Qt dQt + Kt dKt - Kend dKend
+    dGam_last += sum_i Kend_i dKend_i + exp(Gam_last) rowsum(dS' * S)
+    dg   = reverse cumulative sum of dGam within the chunk
+
+Pairwise products ``X[i,j] = sum_d a_id b_jd exp(Gam_id - Gam_jd)`` (``j <= i``), per 16-row block pair:
+
+- diagonal blocks elementwise, ``exp(Gam_i - Gam_j)`` with ``j <= i`` only (exponent <= 0);
+- an earlier column block ``J`` factored around its last row ``n``: ``exp(Gam_i - Gam_n) exp(Gam_n - Gam_j)``,
+  both exponents <= 0, so no factor exceeds 1 whatever the gates (a hard reset of -1000 underflows to 0, as
+  it should). ``da_I += (dX_IJ (b_J e^{Gam_n - Gam_J})) e^{Gam_I - Gam_n}``,
+  ``db_J += (dX_IJ^T (a_I e^{Gam_I - Gam_n})) e^{Gam_n - Gam_J}``: two tensor-core products per block pair.
+
+Every exponent is clamped at 0 before ``exp``, so padding rows (whose loads are 0) stay finite and drop out.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kda_ops.triton.chunk_common import (
+    BC,
+    BT,
+    NB,
+    col_mask,
+    compute_dtype,
+    contiguous,
+    load2,
+    mm,
+    pow2,
+    slot_rows,
+    store2,
+)
+from kda_ops.triton.debug import poison
+from kda_ops.varlen import ChunkSlots
+
+
+@triton.jit
+def pairwise_bwd(q, k, Gam, beta, dMqk, dMkk, tok0, count, i_h, i_hv, H, HV, scale, o_k, m_k,
+                 K: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
+                 PREC: tl.constexpr, DT: tl.constexpr):
+    """Gradients through the pairwise products of one key tile: ``(da_qk, da_kk, db_qk + db_kk)`` ``[BT, BK]`` and
+    ``rowsum(dMkk * P)`` ``[BT]`` (the tile's share of dbeta). Sub-blocks are loaded from memory."""
+    r = tl.arange(0, BC)
+    blk3 = tl.arange(0, NB)[:, None, None]
+    blk2 = tl.arange(0, NB)[:, None]
+    r3 = r[:, None, None]
+    c3 = r[None, :, None]
+    m_bc = col_mask(r, BC, BC)
+    DqA = tl.zeros((NB, BC, BK), dtype=DT)
+    DkA = tl.zeros((NB, BC, BK), dtype=DT)
+    DkB = tl.zeros((NB, BC, BK), dtype=DT)
+    Dbk = tl.zeros((NB, BC), dtype=DT)
+    for I in tl.static_range(NB):  # noqa: E741 (row block I, column block J: the notation of the math)
+        rI = I * BC + r
+        tI = tok0 + rI
+        mI = rI < count
+        qI = load2(q + i_h * K, tI, mI, H * K, o_k, m_k, DT)  # [BC, BK]
+        kI = load2(k + i_h * K, tI, mI, H * K, o_k, m_k, DT)
+        GI = load2(Gam + i_hv * K, tI, mI, HV * K, o_k, m_k, DT)
+        bI = tl.load(beta + tI * HV + i_hv, mask=mI, other=0.0).to(DT)  # [BC]
+        daq = tl.zeros((BC, BK), dtype=DT)
+        dak = tl.zeros((BC, BK), dtype=DT)  # without beta_i: rowsum(k * dak) is the dbeta share
+        for J in tl.static_range(I + 1):
+            cJ = J * BC + r
+            tJ = tok0 + cJ
+            mJ = cJ < count
+            Xq = load2(dMqk + i_hv * BT, tI, mI, HV * BT, cJ, m_bc, DT) * scale  # [BC, BC]
+            Xk = load2(dMkk + i_hv * BT, tI, mI, HV * BT, cJ, m_bc, DT)
+            kJ = load2(k + i_h * K, tJ, mJ, H * K, o_k, m_k, DT)
+            GJ = load2(Gam + i_hv * K, tJ, mJ, HV * K, o_k, m_k, DT)
+            if J < I:
+                n = J * BC + BC - 1
+                Gn = tl.load(Gam + (tok0 + n) * HV * K + i_hv * K + o_k, mask=m_k & (n < count), other=0.0).to(DT)
+                eJ = tl.exp(tl.minimum(Gn[None, :] - GJ, 0.0))  # [BC, BK] <= 1
+                eI = tl.exp(tl.minimum(GI - Gn[None, :], 0.0))
+                kJe = kJ * eJ
+                daq += mm(Xq, kJe, PREC, DT) * eI
+                dak += mm(Xk, kJe, PREC, DT) * eI
+                dbJ = mm(tl.trans(Xq), qI * eI, PREC, DT) * eJ
+                dbJ += mm(tl.trans(Xk * bI[:, None]), kI * eI, PREC, DT) * eJ
+            else:
+                dec = tl.where(c3 <= r3, tl.exp(tl.minimum(GI[:, None, :] - GI[None, :, :], 0.0)), 0.0)
+                daq += tl.sum(Xq[:, :, None] * kI[None, :, :] * dec, axis=1)
+                dak += tl.sum(Xk[:, :, None] * kI[None, :, :] * dec, axis=1)
+                Xb = Xq[:, :, None] * qI[:, None, :] + (Xk * bI[:, None])[:, :, None] * kI[:, None, :]
+                dbJ = tl.sum(Xb * dec, axis=0)
+            DkB += tl.where(blk3 == J, dbJ[None, :, :], 0.0)
+        DqA += tl.where(blk3 == I, daq[None, :, :], 0.0)
+        DkA += tl.where(blk3 == I, (bI[:, None] * dak)[None, :, :], 0.0)
+        Dbk += tl.where(blk2 == I, tl.sum(kI * dak, axis=1)[None, :], 0.0)
+    return (tl.reshape(DqA, (BT, BK)), tl.reshape(DkA, (BT, BK)), tl.reshape(DkB, (BT, BK)),
+            tl.reshape(Dbk, (BT,)))  # fmt: skip
+
+
+@triton.jit
+def chunk_bwd_dqk_kernel(
+    q, k, Gam, Gl, beta, dMqk, dMkk, dKt, Hin, E, dSp, dO, dbeta_in, dq, dk, dg, dbeta, slot_start, slot_count,
+    scale, H, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
+    BC: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
+):  # fmt: skip
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
+    if count == 0:
+        return
+    tok0 = tl.load(slot_start + i_c).to(tl.int64)
+    rows = tl.arange(0, BT)
+    s_off = (i_c.to(tl.int64) * HV + i_hv) * K * V
+    db = tl.load(dbeta_in + tok * HV + i_hv, mask=m, other=0.0).to(DT)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = col_mask(o_k, K, BK)
+        # dQt = dO S^T, dKend = E dS'^T, and rowsum(dS' * S) for the state decay
+        dQt = tl.zeros((BT, BK), dtype=DT)
+        dKe = tl.zeros((BT, BK), dtype=DT)
+        dsh = tl.zeros((BK,), dtype=DT)
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = col_mask(o_v, V, BV)
+            m_s = m_k[:, None] & m_v[None, :]
+            p_s = s_off + o_k[:, None] * V + o_v[None, :]
+            h = tl.load(Hin + p_s, mask=m_s, other=0.0).to(DT)  # [BK, BV]
+            dsp = tl.load(dSp + p_s, mask=m_s, other=0.0).to(DT)
+            do = load2(dO + i_hv * V, tok, m, HV * V, o_v, m_v, DT)  # [BT, BV]
+            e = load2(E + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
+            dQt += mm(do, tl.trans(h), PREC, DT)
+            dKe += mm(e, tl.trans(dsp), PREC, DT)
+            dsh += tl.sum(dsp * h, axis=1)
+        qq = load2(q + i_h * K, tok, m, H * K, o_k, m_k, DT)  # [BT, BK]
+        kk = load2(k + i_h * K, tok, m, H * K, o_k, m_k, DT)
+        Gm = load2(Gam + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
+        dkt = load2(dKt + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
+        gl = tl.load(Gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(DT)
+        eG = tl.exp(Gm)  # Gam <= 0 and Gam_last - Gam <= 0: both at most 1 (padding rows load 0 and drop out)
+        eE = tl.exp(gl[None, :] - Gm)
+        daq, dak, dbk, dbeta_kk = pairwise_bwd(q, k, Gam, beta, dMqk, dMkk, tok0, count, i_h, i_hv, H, HV, scale,
+                                               o_k, m_k, K, BK, NB, BC, BT, PREC, DT)  # fmt: skip
+        db += dbeta_kk
+        Ke = kk * eE
+        dq_t = daq + scale * eG * dQt
+        dk_t = dak + dbk + eG * dkt + eE * dKe
+        dGam = qq * daq + kk * (dak - dbk) + scale * qq * eG * dQt + kk * eG * dkt - Ke * dKe
+        dGl = tl.sum(Ke * dKe, axis=0) + tl.exp(gl) * dsh
+        dGam += tl.where(rows[:, None] == BT - 1, dGl[None, :], 0.0)
+        dg_t = tl.cumsum(dGam, axis=0, reverse=True)
+        store2(dq + i_hv * K, tok, m, HV * K, o_k, m_k, dq_t)
+        store2(dk + i_hv * K, tok, m, HV * K, o_k, m_k, dk_t)
+        store2(dg + i_hv * K, tok, m, HV * K, o_k, m_k, dg_t)
+    tl.store(dbeta + tok * HV + i_hv, db.to(dbeta.dtype.element_ty), mask=m)
+
+
+def chunk_bwd_dqk(
+    q: Tensor,
+    k: Tensor,
+    Gam: Tensor,
+    Gl: Tensor,
+    beta: Tensor,
+    dMqk: Tensor,
+    dMkk: Tensor,
+    dKt: Tensor,
+    Hin: Tensor,
+    E: Tensor,
+    dSp: Tensor,
+    dO: Tensor,
+    dbeta_partial: Tensor,
+    scale: float,
+    slots: ChunkSlots,
+    prec: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dg [T, HV, K], dbeta [T, HV])`` per value head, in the compute dtype of ``Hin``.
+
+    Prepared ``q, k [T, H, K]`` and ``beta [T, HV]``; ``Gam, dMqk, dMkk, dKt, dbeta_partial`` from stage 3a;
+    ``Gl [NC, HV, K]``, ``Hin [NC, HV, K, V]``, ``E [T, HV, V]`` from the recomputed forward; ``dS' [NC, HV, K, V]``
+    from the reverse scan. dq and dk are per value head: the caller sums a group's heads.
+    """
+    T, H, K = q.shape
+    HV = Gam.shape[1]
+    V = E.shape[2]
+    NC = slots.start.shape[0]
+    dt = Hin.dtype
+    dq = q.new_empty(T, HV, K, dtype=dt)
+    dk = q.new_empty(T, HV, K, dtype=dt)
+    dg = q.new_empty(T, HV, K, dtype=dt)
+    dbeta = q.new_empty(T, HV, dtype=dt)
+    poison(dq, dk, dg, dbeta)
+    chunk_bwd_dqk_kernel[(NC, HV)](
+        contiguous(q), contiguous(k), Gam, Gl, contiguous(beta), dMqk, dMkk, dKt, Hin, contiguous(E), dSp,
+        contiguous(dO), dbeta_partial, dq, dk, dg, dbeta, slots.start, slots.count, float(scale), H, HV,
+        K=K, V=V, BK=min(pow2(K), 32), BV=min(pow2(V), 64), NB=NB, BC=BC, BT=BT, PREC=prec, DT=compute_dtype(Hin),
+    )  # fmt: skip
+    return dq, dk, dg, dbeta
+
+
+__all__ = ["chunk_bwd_dqk", "pairwise_bwd"]
