@@ -267,6 +267,51 @@ def bv_sweep() -> list[str]:
     return lines
 
 
+def breakdown(B: int, T: int, H: int) -> list[str]:
+    """Where the time goes at one shape: each launcher of the fused pipeline alone, the block path for every chunk
+    (what a ``lower_bound`` below -2.5 runs), the staged pipeline, and the configurations autotuning chose."""
+    from kda_ops.triton import chunk as tc
+    from kda_ops.triton import chunk_prepare as tp
+    from kda_ops.triton import chunk_state as ts
+    from kda_ops.triton.chunk_common import BT, precision_for
+    from kda_ops.varlen import chunk_slots, flat_cu_seqlens
+
+    x = inputs(B, T, H)
+    opts = Options(use_qk_l2norm=True)
+    p = precision_for(torch.bfloat16)
+    flat = {n: t.flatten(0, 1) for n, t in x.items()}
+    cu = flat_cu_seqlens(None, B, T, x["q"].device)
+    slots = chunk_slots(cu, B * T, BT)
+    args = (flat["q"], flat["k"], flat["v"], flat["g"], flat["beta"], D**-0.5, slots, None, None, opts, p)
+    Mqk, W, U, Qt, Kend, Gl = tp.chunk_prepare(*args)
+    o = torch.empty_like(flat["v"])
+    final = torch.empty(B, H, D, D, device=DEV)
+    fwd = (x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, None, None, None, None, opts, True)
+    rows = {
+        "chunk_kda (public function)": lambda: call_ours(x),
+        "slot map (flat_cu_seqlens, chunk_slots, chunk_offsets)": lambda: ts.chunk_offsets(
+            chunk_slots(flat_cu_seqlens(None, B, T, x["q"].device), B * T, BT).start),
+        "chunk_prepare (anchored + block fixup)": lambda: tp.chunk_prepare(*args),
+        "chunk_state with outputs (the scan)": lambda: ts.chunk_state(W, U, Kend, Gl, None, cu, p, final=final,
+                                                                      outputs=(Qt, Mqk, o)),
+        "chunk_fwd_staged (five stages through memory)": lambda: tc.chunk_fwd_staged(*fwd),
+    }  # fmt: skip
+    lines = [f"| B{B} T{T} H{H}: part | ms |", "|---|---|"]
+    for name, fn in rows.items():
+        lines.append(f"| {name} | {gpu_ms(fn):.3f} |")
+    orig = tp.anchored_path_usable
+    try:
+        tp.anchored_path_usable = lambda opts: False  # type: ignore[assignment]
+        lines.append(f"| chunk_prepare, block path for every chunk | {gpu_ms(lambda: tp.chunk_prepare(*args)):.3f} |")
+    finally:
+        tp.anchored_path_usable = orig
+    for name, kern in (("prepare (anchored)", tp.chunk_prepare_kernel), ("prepare (blocks)",
+                       tp.chunk_prepare_blocks_kernel), ("scan", ts.chunk_state_kernel)):  # fmt: skip
+        lines.append(f"| autotuned {name} | {getattr(kern, 'best_config', '-')} |")
+    lines.append(f"| scan value tile | {ts.scan_block_v(D, B * H, x['q'].device)} |")
+    return lines
+
+
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib
 
@@ -334,7 +379,9 @@ def main() -> None:
         del xl, refl
     torch.cuda.empty_cache()
 
-    extra: list[str] = []
+    extra: list[str] = ["", "Breakdown (GPU ms, each part alone):", ""]
+    print("breakdown", file=sys.stderr)
+    extra += breakdown(*SHAPES[0])
     if args.precision_sweep:
         print("precision sweep", file=sys.stderr)
         extra += ["", "Precision of bf16 inputs (errors vs the float64 reference, H = 32):", ""]

@@ -136,15 +136,19 @@ def test_lengths(T: int, dtype: torch.dtype) -> None:
     _check(x, h0=make_state(2, 4, 128, 128, device=DEV))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize(("K", "V"), [(64, 64), (100, 100), (256, 256), (64, 256), (256, 64), (100, 128), (128, 100)])
+# every (K, V, dtype, options) compiles and autotunes its kernels once (~10 s each): a subset of the products
+HEAD_DIMS = [(64, 64, BF16), (100, 100, BF16), (256, 256, BF16), (64, 256, BF16), (256, 64, BF16), (100, 128, BF16),
+             (128, 100, BF16), (64, 64, torch.float32), (100, 100, torch.float32), (256, 256, torch.float32)]
+ALL = [(name, BF16) for name in OPTIONS] + [(name, torch.float32) for name in ("plain", "lower_bound", "all")]
+
+
+@pytest.mark.parametrize(("K", "V", "dtype"), HEAD_DIMS)
 def test_head_dims(K: int, V: int, dtype: torch.dtype) -> None:
     x = _case("l2norm", 1, 1000, 2, K, V, HV=4, dtype=dtype)
     _check(x, h0=make_state(1, 4, K, V, device=DEV))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", OPTIONS)
+@pytest.mark.parametrize(("name", "dtype"), ALL)
 def test_every_option(name: str, dtype: torch.dtype) -> None:
     x = _case(name, 2, 300, 2, 64, 64, HV=4, dtype=dtype)
     _check(x, h0=make_state(2, 4, 64, 64, device=DEV))

@@ -51,14 +51,14 @@ from kda_ops.triton.chunk_solve import solve_unit_lower, wy_pass
 from kda_ops.triton.debug import poison
 from kda_ops.varlen import ChunkSlots
 
-# TODO(bench): prune to the winners of `python benchmarks/bench_chunk.py` on the H200.
+# Candidates from offline sm_90 builds (ptxas): BK = 64 with 8 warps compiles without spills; 4 warps spill with an
+# exact-fp32 solve; BK = 128 saves a loop trip at K = 128. Few candidates: every (K, V, dtype, options) key
+# compiles each one once. TODO(bench): prune to the winners of `python benchmarks/bench_chunk.py` on the H200.
 _CONFIGS = autotune_configs(
-    [triton.Config({"BK": bk}, num_warps=w, num_stages=1) for bk, w in ((64, 4), (32, 4), (128, 4), (64, 8), (128, 8))]
+    [triton.Config({"BK": bk}, num_warps=w, num_stages=1) for bk, w in ((64, 8), (128, 8), (64, 4))]
 )
-# the block path keeps [NB, NB, BC, BK] column blocks and [NB, BC, BT] products live: small key tiles
-_BLOCK_CONFIGS = autotune_configs(
-    [triton.Config({"BK": bk}, num_warps=w, num_stages=1) for bk, w in ((32, 4), (16, 4), (32, 8), (16, 8))]
-)
+# the block path keeps [NB, NB, BC, BK] column blocks and [NB, BC, BT] products live: small key tiles, 8 warps
+_BLOCK_CONFIGS = autotune_configs([triton.Config({"BK": bk}, num_warps=8, num_stages=1) for bk in (16, 32)])
 _FLAGS = ["USE_L2NORM", "USE_GATE", "USE_A", "USE_BIAS", "USE_BOUND", "BETA_SIGMOID", "NEG_EIGVAL"]
 _KEY = ["K", "V", *_FLAGS, "PREC_INTRA", "PREC_SOLVE", "PREC_WY"]
 
