@@ -1,0 +1,151 @@
+"""Compile the chunk kernels for an H100/H200 (sm_90) without a GPU: ``python tests/_sm90_compile.py``.
+
+The interpreter runs the kernels' semantics on the CPU but never lowers them to the GPU; a kernel that interprets
+fine can still fail to compile for sm_90 (layouts, dot shapes, loop-carried types). This script builds each chunk
+kernel ahead of time with triton's bundled ptxas for ``cuda:90`` and prints one JSON line per variant (registers,
+spill stack, shared memory, or the compile error). Run it with ``TRITON_INTERPRET`` unset: under the interpreter
+``@triton.jit`` returns interpreted functions that cannot be compiled. ``tests/test_triton_chunk_compile.py``
+runs it in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kda_ops.triton import chunk_cumsum, chunk_intra, chunk_output, chunk_prepare, chunk_solve, chunk_state  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float64: "*fp64",
+       torch.int64: "*i64", torch.int32: "*i32"}  # fmt: skip
+BF, F32, F64, I64, I32 = torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int32
+
+
+def jit_function(kernel: Any) -> Any:
+    fn = kernel
+    while not isinstance(fn, triton.runtime.jit.JITFunction):
+        fn = fn.fn  # through @triton.autotune
+    return fn
+
+
+def build(kernel: Any, args: dict[str, Any], num_warps: int, num_stages: int = 1) -> Any:
+    """Compile ``kernel`` for sm_90 with ``args``: a torch dtype for a pointer, None, an int, a float, or a constexpr
+    value; pointers and ints divisible by 16 get the alignment hints a launch would give them."""
+    fn = jit_function(kernel)
+    constexpr = {fn.arg_names[i] for i, p in enumerate(fn.params) if p.is_constexpr}
+    sig: dict[str, str] = {}
+    const: dict[str, Any] = {}
+    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+    for i, name in enumerate(fn.arg_names):
+        v = args[name]
+        if isinstance(v, torch.dtype):
+            sig[name] = PTR[v]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif v is None or name in constexpr:
+            sig[name] = "constexpr"
+            const[name] = v
+        elif isinstance(v, int):
+            sig[name] = "i32"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "fp32"
+    return triton.compile(ASTSource(fn, sig, const, attrs), target=TARGET,
+                          options={"num_warps": num_warps, "num_stages": num_stages})  # fmt: skip
+
+
+def resources(compiled: Any) -> dict[str, Any]:
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    out = {"shared": compiled.metadata.shared}
+    if cuobjdump.exists():
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            text = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True,
+                                  text=True).stdout  # fmt: skip
+        m = re.search(r"REG:(\d+) STACK:(\d+)", text)
+        if m:
+            out.update(registers=int(m.group(1)), stack=int(m.group(2)))
+    return out
+
+
+def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
+    def prepare(blocks: bool, K: int = 128, V: int = 128, x: torch.dtype = BF, store: torch.dtype = BF,
+                prec: tuple[str, str, str] = ("tf32", "ieee", "tf32"), dt: Any = tl.float32,
+                gate: bool = False) -> dict[str, Any]:  # fmt: skip
+        a = dict(q=x, k=x, v=x, g=F32, beta=x, A_log=F32 if gate else None, dt_bias=F32 if gate else None,
+                 Mqk=store, W=store, U=store, Qt=store, Kend=store, Gl=F32 if dt == tl.float32 else F64, Flag=I32,
+                 slot_start=I64, slot_count=I64, scale=0.1, lower_bound=0.0, H=2, HV=32, K=K, V=V,
+                 BK=32 if blocks else 64, BV=min(V, 64), NB=4, BC=16, BT=64, USE_L2NORM=True, USE_GATE=gate,
+                 USE_A=gate, USE_BIAS=gate, USE_BOUND=False, BETA_SIGMOID=gate, NEG_EIGVAL=gate,
+                 PREC_INTRA=prec[0], PREC_SOLVE=prec[1], PREC_WY=prec[2], DT=dt)  # fmt: skip
+        a.update({"SPAN": 80.0, "CHECK_FLAG": True} if blocks else {"ASPAN": 80.0})
+        return a
+
+    def scan(K: int, V: int, BV: int, store: torch.dtype = BF, prec: tuple[str, str] = ("bf16", "bf16"),
+             fused: bool = True) -> dict[str, Any]:  # fmt: skip
+        return dict(W=store, U=store, Kend=store, Gl=F32, h0=F32, final=F32, Qt=store if fused else None,
+                    Mqk=store if fused else None, o=BF if fused else None, Hin=None if fused else F32,
+                    E=None if fused else F32, cu=I64, chunk_off=I64, HV=32, K=K, V=V,
+                    BK=max(16, triton.next_power_of_2(K)), BV=BV, BT=64, USE_H0=True, STORE_FINAL=True,
+                    FUSE_OUTPUT=fused, STORE_STATES=not fused, PREC_SCAN=prec[0], PREC_OUT=prec[1],
+                    DT=tl.float32)  # fmt: skip
+
+    stage = dict(slot_start=I64, slot_count=I64, lower_bound=0.0, HV=32, BT=64, USE_GATE=True, USE_A=True,
+                 USE_BIAS=True, USE_BOUND=False, DT=tl.float32)  # fmt: skip
+    qk = dict(H=2, NB=4, BC=16, USE_L2NORM=True, BETA_SIGMOID=True, NEG_EIGVAL=False)
+    return {
+        "prepare anchored bf16 K=V=128": (chunk_prepare.chunk_prepare_kernel, prepare(False), 8, 1),
+        "prepare anchored fp32 K=V=100": (chunk_prepare.chunk_prepare_kernel,
+                                          prepare(False, 100, 100, F32, F32, ("ieee",) * 3), 8, 1),
+        "prepare blocks bf16 K=V=256 gate": (chunk_prepare.chunk_prepare_blocks_kernel,
+                                             prepare(True, 256, 256, gate=True), 8, 1),
+        "prepare blocks fp64": (chunk_prepare.chunk_prepare_blocks_kernel,
+                                prepare(True, 64, 64, F64, F64, ("ieee",) * 3, tl.float64), 4, 1),
+        "scan fused bf16 K=V=128 BV=32": (chunk_state.chunk_state_kernel, scan(128, 128, 32), 4, 2),
+        "scan fused fp32 tf32x3 K=V=256 BV=16": (chunk_state.chunk_state_kernel,
+                                                 scan(256, 256, 16, F32, ("tf32x3", "tf32x3")), 4, 1),
+        "scan staged fp32 K=V=100": (chunk_state.chunk_state_kernel, scan(100, 100, 64, F32, ("ieee", "ieee"), False),
+                                     4, 1),
+        "cumsum": (chunk_cumsum.chunk_cumsum_kernel, dict(stage, g=F32, A_log=F32, dt_bias=F32, Gam=F32, Gl=F32,
+                                                          K=100, BK=64), 4, 1),
+        "intra": (chunk_intra.chunk_intra_kernel, dict(stage, **qk, q=BF, k=BF, g=F32, beta=BF, A_log=F32,
+                  dt_bias=F32, Mqk=F32, Mkk=F32, Qt=BF, Kend=BF, Gl=F32, scale=0.1, K=100, BK=32, PREC="tf32",
+                  ASPAN=80.0, SPAN=80.0), 8, 1),
+        "solve": (chunk_solve.chunk_solve_kernel, dict(stage, **qk, Mkk=F32, k=BF, v=BF, g=F32, beta=BF, A_log=F32,
+                  dt_bias=F32, Tm=F32, W=BF, U=BF, K=100, V=100, BK=32, BV=64, PREC_SOLVE="ieee",
+                  PREC_WY="tf32"), 8, 1),
+        "output": (chunk_output.chunk_output_kernel, dict(Qt=BF, Mqk=F32, Hin=F32, E=F32, o=BF, slot_start=I64,
+                   slot_count=I64, HV=32, K=100, V=100, BK=128, BV=64, BT=64, PREC="bf16", DT=tl.float32), 4, 1),
+    }  # fmt: skip
+
+
+def main() -> int:
+    failures = 0
+    for name, (kernel, args, warps, stages) in variants().items():
+        try:
+            info: dict[str, Any] = {"variant": name, "ok": True, **resources(build(kernel, args, warps, stages))}
+        except Exception as e:  # noqa: BLE001 - reported per variant; the exit status says whether any failed
+            failures += 1
+            info = {"variant": name, "ok": False, "error": f"{type(e).__name__}: {str(e)[-2000:]}"}
+        print(json.dumps(info), flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
