@@ -158,12 +158,6 @@ def col_mask(o_k, K: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def chunk_rows(NB: tl.constexpr, BC: tl.constexpr):
-    """Row of the chunk held at ``[I, r]`` of a register block: ``I * BC + r``, shaped ``[NB, BC, 1]``."""
-    return (tl.arange(0, NB)[:, None] * BC + tl.arange(0, BC)[None, :])[:, :, None]
-
-
-@triton.jit
 def load2(ptr, tok, m, stride, o_k, m_k, DT: tl.constexpr):
     """``x[tok, o_k]`` as ``[BT, BK]`` in ``DT`` (0 outside the masks)."""
     p = ptr + tok[:, None] * stride + o_k[None, :]
