@@ -41,7 +41,7 @@ def chunk_output_kernel(
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     PREC: tl.constexpr, DT: tl.constexpr,
 ):  # fmt: skip
-    i_v, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_c, i_v, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     count = tl.load(slot_count + i_c).to(tl.int32)
     if count == 0:
         return
@@ -71,7 +71,7 @@ def chunk_output(
     o = E.new_empty(T, HV, V, dtype=out_dtype)
     poison(o)
     BV = min(pow2(V), 64)
-    chunk_output_kernel[(triton.cdiv(V, BV), NC, HV)](
+    chunk_output_kernel[(NC, triton.cdiv(V, BV), HV)](
         contiguous(Qt), contiguous(Mqk), contiguous(Hin), contiguous(E), o, slots.start, slots.count, HV,
         K=K, V=V, BK=pow2(K), BV=BV, BT=BT, PREC=precision.output, DT=compute_dtype(Hin),
     )  # fmt: skip

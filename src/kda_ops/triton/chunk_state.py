@@ -8,7 +8,7 @@ the sequence's chunks in order::
     S' = diag(exp(Gam_last)) S + Kend^T E          the state entering the next chunk
 
 The sequence's bounds come from ``cu_seqlens`` on the device and its chunks are slots ``chunk_off[n] ..`` of the
-chunk-slot map, so the grid is ``(cdiv(V, BV), N * HV)`` whatever the lengths: one CUDA graph serves every
+chunk-slot map, so the grid is ``N * HV * cdiv(V, BV)`` programs whatever the lengths: one CUDA graph serves every
 ``cu_seqlens`` of one size. Fusing the outputs into the scan means the per-chunk states ``[NC, HV, K, V]`` (1 GB
 in fp32 at T = 32k, HV = 32, K = V = 128) are never written; ``STORE_STATES`` writes them, and ``E``, for the
 staged pipeline and the tests.
@@ -89,7 +89,11 @@ def chunk_state_kernel(
     USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr, FUSE_OUTPUT: tl.constexpr, STORE_STATES: tl.constexpr,
     PREC_SCAN: tl.constexpr, PREC_OUT: tl.constexpr, DT: tl.constexpr,
 ):  # fmt: skip
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    # one grid axis (the others stop at 65535), value tiles of one head adjacent: they share W, Qt, Kend in L2
+    NV: tl.constexpr = (V + BV - 1) // BV
+    pid = tl.program_id(0)
+    i_nh = pid // NV
+    i_v = pid % NV
     i_n = i_nh // HV
     i_hv = i_nh % HV
     bos = tl.load(cu + i_n).to(tl.int64)
@@ -166,7 +170,7 @@ def chunk_state(
         poison(Hin, E)
     Qt, Mqk, o = outputs if outputs is not None else (None, None, None)
     BV = scan_block_v(V, N * HV, W.device)
-    chunk_state_kernel[(triton.cdiv(V, BV), N * HV)](
+    chunk_state_kernel[(N * HV * triton.cdiv(V, BV),)](
         contiguous(W), contiguous(U), contiguous(Kend), Gl, h0, final, Qt, Mqk, o, Hin, E, cu, chunk_offsets(cu), HV,
         K=K, V=V, BK=pow2(K), BV=BV, BT=BT, USE_H0=h0 is not None, STORE_FINAL=final is not None,
         FUSE_OUTPUT=outputs is not None, STORE_STATES=store_states, PREC_SCAN=precision.scan,
