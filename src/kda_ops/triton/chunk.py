@@ -38,6 +38,10 @@ def _flat(x: Tensor) -> Tensor:
     return contiguous(x).flatten(0, 1)
 
 
+def _opt(x: Tensor | None) -> Tensor | None:
+    return None if x is None else contiguous(x)
+
+
 def chunk_fwd(
     q: Tensor,
     k: Tensor,
@@ -70,7 +74,7 @@ def chunk_fwd(
     poison(o, final)
     # stages 1-3, fused per chunk: Gam; Mqk, Mkk, Qt, Kend; Tm = (I + Mkk)^-1, W = Tm beta Kt, U = Tm beta V
     Mqk, W, U, Qt, Kend, Gl = chunk_prepare(
-        _flat(q), _flat(k), _flat(v), _flat(g), _flat(beta), scale, slots, A_log, dt_bias, opts, p
+        _flat(q), _flat(k), _flat(v), _flat(g), _flat(beta), scale, slots, _opt(A_log), _opt(dt_bias), opts, p
     )
     # stages 4-5, fused: E = U - W S;  O = Qt S + Mqk E;  S' = exp(Gam_last) S + Kend^T E
     chunk_state(W, U, Kend, Gl, h0, cu, p, final=final if output_final_state else None,
@@ -104,6 +108,7 @@ def chunk_fwd_staged(
     cu = flat_cu_seqlens(cu_seqlens, B, T, v.device)
     slots = chunk_slots(cu, B * T, BT)
     qf, kf, vf, gf, bf = (_flat(x) for x in (q, k, v, g, beta))
+    A_log, dt_bias = _opt(A_log), _opt(dt_bias)
     Mqk, Mkk, Qt, Kend, Gl = chunk_intra(qf, kf, gf, bf, scale, slots, A_log, dt_bias, opts, p)
     Tm, W, U = chunk_solve(Mkk, kf, vf, gf, bf, slots, A_log, dt_bias, opts, p)
     poison(final)
