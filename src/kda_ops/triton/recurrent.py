@@ -32,8 +32,9 @@ from kda_ops.common import Options, forward_outputs
 from kda_ops.triton.debug import poison
 
 # Launch configuration: fixed per shape (no autotune), so the first call inside a CUDA-graph capture needs no
-# warm-up beyond compilation. TODO(bench): justify BV_MAX and num_warps with the numbers of
-# `python benchmarks/bench_recurrent.py --sweep` on the H200 (decode, K = V = 128, B in {1, 16, 64, 256}).
+# warm-up beyond compilation. Compiled for sm_90 (tests/_sm90_compile_recurrent.py) the decode kernel at
+# K = V = 128 (BV = 32, 4 warps) takes 80-96 registers and no stack. TODO(bench): justify BV_MAX and num_warps
+# with `python benchmarks/bench_recurrent.py --sweep` on the H200 (decode, K = V = 128, B in {1, 16, 64, 256}).
 BV_MAX = 32
 ELEMENTS_PER_WARP = 1024  # state elements per warp: 32 fp32 registers per thread for the state tile
 
@@ -189,20 +190,22 @@ def recurrent_fwd_kernel(
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     bos, eos = sequence_bounds(cu_seqlens, i_n, T, IS_VARLEN)
-    if USE_STATE_INDICES:
-        slot = tl.load(state_indices + i_n).to(tl.int64)
-        valid = (slot >= 0) & (slot < NS)
-        slot = tl.where(valid, slot, 0)
-    else:
-        slot = i_n.to(tl.int64)
-        valid = slot >= 0
-    n_tok = tl.where(valid, eos - bos, 0)
-
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
-    m_s = (m_k[:, None] & m_v[None, :]) & valid
+    if USE_STATE_INDICES:
+        slot = tl.load(state_indices + i_n).to(tl.int64)
+        valid = (slot >= 0) & (slot < NS)
+        slot = tl.where(valid, slot, 0)
+        n_tok = tl.where(valid, eos - bos, 0)
+        # a padding sequence masks its whole state tile (bounds, not `& valid`: triton 3.9's interpreter rejects
+        # a mask made from a tensor and a scalar)
+        m_s = m_k[:, None] & (o_v < tl.where(valid, V, 0))[None, :]
+    else:
+        slot = i_n.to(tl.int64)
+        n_tok = eos - bos
+        m_s = m_k[:, None] & m_v[None, :]
     o_s = (slot * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]
 
     b_S = tl.zeros([BK, BV], DT)  # [BK, BV]

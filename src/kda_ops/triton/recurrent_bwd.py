@@ -48,17 +48,24 @@ from kda_ops.triton.recurrent import (
 )
 
 # The backward holds about five [BV, BK] tiles at once (S_{t-1}, St, S_t, G, dSt): half the forward's elements per
-# warp. Compiled for sm_90 at K = V = 128 (ptxas, no GPU needed): BV = 32 with 8 warps uses 239-248 registers and
-# no stack; BV = 64 spills 128-208 bytes at 8 warps, BV = 32 with 4 warps up to 248. TODO(bench): time it.
+# warp. Compiled for sm_90 (python tests/_sm90_compile_recurrent.py, triton 3.6-3.7): BV = 32 with 8 warps uses
+# 232-254 registers and no stack at K = V = 128 and 256 (fp64, for checks only, spills). Without alignment hints
+# BV = 64 spilled 128-208 bytes. Smaller tiles would multiply the per-tile partials (memory). TODO(bench): time it.
 BWD_ELEMENTS_PER_WARP = 512
 MIN_CHECKPOINT_INTERVAL = 4
 MAX_CHECKPOINT_INTERVAL = 64
 
 
+def backward_config(K: int, V: int) -> tuple[int, int, int]:
+    """``(BK, BV, num_warps)`` of the backward: the forward's tiles, twice the warps per element."""
+    BK, BV, _ = launch_config(K, V)
+    return BK, BV, min(8, max(1, BK * BV // BWD_ELEMENTS_PER_WARP))
+
+
 def checkpoint_interval(tokens: int, sequences: int) -> int:
     """``C``: a power of two near ``sqrt(tokens per sequence)`` (from shapes only), in ``[4, 64]``."""
     per_sequence = max(1, tokens // max(1, sequences))
-    C = triton.next_power_of_2(max(1, math.isqrt(per_sequence)))
+    C = 1 << (max(1, math.isqrt(per_sequence)) - 1).bit_length()
     return min(MAX_CHECKPOINT_INTERVAL, max(MIN_CHECKPOINT_INTERVAL, C))
 
 
@@ -326,9 +333,8 @@ def recurrent_bwd(
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     TOT = B * T
-    BK, BV, _ = launch_config(K, V)
-    num_warps = min(8, max(1, BK * BV // BWD_ELEMENTS_PER_WARP))
-    NV = triton.cdiv(V, BV)
+    BK, BV, num_warps = backward_config(K, V)
+    NV = (V + BV - 1) // BV
     C = checkpoint_interval(TOT, N)
     f = state_dtype(v)
     has_A = opts.use_gate and A_log is not None
@@ -342,7 +348,7 @@ def recurrent_bwd(
     dh0 = None if initial_state is None else torch.empty_like(initial_state)
     dA = v.new_empty((NV, N, HV), dtype=f) if has_A else None
     ddt = v.new_empty((NV, N, HV, K), dtype=f) if has_dt else None
-    ckpt = v.new_empty((triton.cdiv(TOT, C) + N, HV, V, K), dtype=f)
+    ckpt = v.new_empty(((TOT + C - 1) // C + N, HV, V, K), dtype=f)
     scratch = v.new_empty((N * HV * NV, C, BV, BK), dtype=f)
     poison(dq, dk, dg, dbeta, dv, dh0, dA, ddt, ckpt, scratch)
     if N * HV > 0:
