@@ -223,7 +223,7 @@ def precision_sweep(fla_fn: Callable[..., Any] | None) -> list[str]:
         "intra bf16": Precision("bf16", base.solve, base.wy, base.scan, base.output, base.store),
         "wy bf16": Precision(base.intra, base.solve, "bf16", base.scan, base.output, base.store),
         "intra, wy bf16": Precision("bf16", base.solve, "bf16", base.scan, base.output, base.store),
-        "solve tf32x3": Precision(base.intra, "tf32x3", base.wy, base.scan, base.output, base.store),
+        "solve ieee": Precision(base.intra, "ieee", base.wy, base.scan, base.output, base.store),
         "solve tf32": Precision(base.intra, "tf32", base.wy, base.scan, base.output, base.store),
         "scan tf32": Precision(base.intra, base.solve, base.wy, "tf32", base.output, base.store),
         "output tf32": Precision(base.intra, base.solve, base.wy, base.scan, "tf32", base.store),

@@ -97,13 +97,15 @@ class Precision:
 # stages; 3xTF32 (~2e-7 per product) in the scan and the output, whose exact-fp32 form compiles for sm_90 to a
 # CUDA-core product that spills 8 KB per thread (ptxas, K = V = 128). 16-bit inputs: bf16 tensor-core products
 # where a factor is stored in bf16 anyway (the scan and the output read bf16 factors), tf32 where the operands are
-# fresh fp32 products of decays (intra, WY), fp32 in the solve.
+# fresh fp32 products of decays (intra, WY); the solve's 16x16 blocks are exact fp32 and its merge products 3xTF32
+# (fp32-accurate on tensor cores: the prepare kernel then fits 4 warps without spills, ~1.5x fewer instructions
+# than exact fp32 on CUDA cores with 8 warps, sm_90 ptxas).
 # TODO(bench): confirm each choice with `python benchmarks/bench_chunk.py --precision-sweep` on the H200.
 _DEFAULTS: dict[torch.dtype, Precision] = {
     torch.float64: Precision(),
     torch.float32: Precision(scan="tf32x3", output="tf32x3"),
-    torch.float16: Precision("tf32", "ieee", "tf32", "bf16", "bf16", torch.bfloat16),
-    torch.bfloat16: Precision("tf32", "ieee", "tf32", "bf16", "bf16", torch.bfloat16),
+    torch.float16: Precision("tf32", "tf32x3", "tf32", "bf16", "bf16", torch.bfloat16),
+    torch.bfloat16: Precision("tf32", "tf32x3", "tf32", "bf16", "bf16", torch.bfloat16),
 }
 _override: dict[torch.dtype, Precision] = {}
 

@@ -51,11 +51,13 @@ from kda_ops.triton.chunk_solve import solve_unit_lower, wy_pass
 from kda_ops.triton.debug import poison
 from kda_ops.varlen import ChunkSlots
 
-# Candidates from offline sm_90 builds (ptxas): BK = 64 with 8 warps compiles without spills; 4 warps spill with an
-# exact-fp32 solve; BK = 128 saves a loop trip at K = 128. Few candidates: every (K, V, dtype, options) key
-# compiles each one once. TODO(bench): prune to the winners of `python benchmarks/bench_chunk.py` on the H200.
+# Candidates from offline sm_90 builds (ptxas, K = V = 128, bf16): BK = 64 with 8 warps and BK = 32 with 4 warps
+# (3xTF32 solve merges) compile without spills; 4 warps take ~1.5x fewer instructions per chunk (row scans cost
+# less with more elements per thread) and fit 2 programs per SM. BK = 128 saves loop trips. Few candidates: every
+# (K, V, dtype, options) key compiles each one once.
+# TODO(bench): prune to the winners of `python benchmarks/bench_chunk.py` on the H200.
 _CONFIGS = autotune_configs(
-    [triton.Config({"BK": bk}, num_warps=w, num_stages=1) for bk, w in ((64, 8), (128, 8), (64, 4))]
+    [triton.Config({"BK": bk}, num_warps=w, num_stages=1) for bk, w in ((32, 4), (64, 8), (64, 4), (128, 8))]
 )
 # the block path keeps [NB, NB, BC, BK] column blocks and [NB, BC, BT] products live: small key tiles, 8 warps
 _BLOCK_CONFIGS = autotune_configs([triton.Config({"BK": bk}, num_warps=8, num_stages=1) for bk in (16, 32)])
