@@ -99,7 +99,7 @@ def chunk_bwd_scan(
         contiguous(dO), contiguous(Mqk), contiguous(Qt), contiguous(Kend), contiguous(W), Gl,
         None if dht is None else contiguous(dht), dSp, dE, dh0, cu, chunk_offsets(cu), HV,
         K=K, V=V, BK=pow2(K), BV=BV, BT=BT, USE_DHT=dht is not None, STORE_DH0=store_dh0, PREC=prec,
-        DT=compute_dtype(Gl),
+        DT=compute_dtype(Gl), num_stages=1,
     )  # fmt: skip
     return dE, dSp, dh0
 

@@ -136,7 +136,7 @@ def chunk_local_cumsum(
     chunk_cumsum_kernel[(NC, HV, triton.cdiv(K, BK))](
         contiguous(g), A_log, dt_bias, Gam, Gl, slots.start, slots.count,
         0.0 if opts.lower_bound is None else float(opts.lower_bound), HV,
-        K=K, BK=BK, BT=BT, DT=compute_dtype(g), **gate_flags(opts, A_log, dt_bias),
+        K=K, BK=BK, BT=BT, DT=compute_dtype(g), **gate_flags(opts, A_log, dt_bias), num_stages=1,
     )  # fmt: skip
     return Gam, Gl
 

@@ -243,7 +243,7 @@ def chunk_intra(
         slots.start, slots.count, float(scale), 0.0 if opts.lower_bound is None else float(opts.lower_bound), H, HV,
         K=K, BK=min(pow2(K), 32), NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm,
         BETA_SIGMOID=opts.use_beta_sigmoid, NEG_EIGVAL=opts.allow_neg_eigval, PREC=precision.intra,
-        DT=compute_dtype(q), ASPAN=ANCHOR_SPAN, SPAN=FACTOR_SPAN, **gate_flags(opts, A_log, dt_bias),
+        DT=compute_dtype(q), ASPAN=ANCHOR_SPAN, SPAN=FACTOR_SPAN, **gate_flags(opts, A_log, dt_bias), num_stages=1,
     )  # fmt: skip
     return Mqk, Mkk, Qt, Kend, Gl
 

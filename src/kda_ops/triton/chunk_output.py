@@ -73,7 +73,7 @@ def chunk_output(
     BV = min(pow2(V), 64)
     chunk_output_kernel[(NC, triton.cdiv(V, BV), HV)](
         contiguous(Qt), contiguous(Mqk), contiguous(Hin), contiguous(E), o, slots.start, slots.count, HV,
-        K=K, V=V, BK=pow2(K), BV=BV, BT=BT, PREC=precision.output, DT=compute_dtype(Hin),
+        K=K, V=V, BK=pow2(K), BV=BV, BT=BT, PREC=precision.output, DT=compute_dtype(Hin), num_stages=1,
     )  # fmt: skip
     return o
 

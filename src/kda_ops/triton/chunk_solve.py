@@ -145,7 +145,7 @@ def chunk_solve(
         slots.start, slots.count, 0.0 if opts.lower_bound is None else float(opts.lower_bound), H, HV,
         K=K, V=V, BK=min(pow2(K), 32), BV=min(pow2(V), 64), NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm,
         BETA_SIGMOID=opts.use_beta_sigmoid, NEG_EIGVAL=opts.allow_neg_eigval, PREC_SOLVE=precision.solve,
-        PREC_WY=precision.wy, DT=compute_dtype(k), **gate_flags(opts, A_log, dt_bias),
+        PREC_WY=precision.wy, DT=compute_dtype(k), **gate_flags(opts, A_log, dt_bias), num_stages=1,
     )  # fmt: skip
     return Tm, W, U
 
