@@ -157,4 +157,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with kda_ops.ops.cuda_triton("chunk", "chunk_bwd"):  # the chunk kernels are opt-in on CUDA
+        main()

@@ -40,10 +40,30 @@ from torch import Tensor
 from kda_ops import reference
 from kda_ops.common import Options, backward_outputs, forward_outputs
 
-# Ops whose CUDA kernel (and CPU kernel under the "triton" CPU backend) is Triton; the rest run the reference.
+# Ops with a Triton kernel: it runs on the CPU under the "triton" CPU backend (the interpreter tests).
 TRITON_KERNELS: frozenset[str] = frozenset({"chunk", "chunk_bwd", "recurrent", "recurrent_bwd", "recurrent_update_"})
+# Ops whose Triton kernel has passed the GPU test suite on the H200 and so runs on CUDA by default. The chunk
+# kernels fault on the H200 for some shapes (2026-11-29, tests/gpu/test_chunk_gpu.py): on CUDA they run only when
+# asked for, by `cuda_triton(...)` or KDA_OPS_CUDA_TRITON=chunk,chunk_bwd; otherwise the chunk ops run the
+# (slower, correct) reference on CUDA.
+CUDA_VERIFIED: frozenset[str] = frozenset({"recurrent", "recurrent_bwd", "recurrent_update_"})
 
 _cpu_backend = os.environ.get("KDA_OPS_CPU_BACKEND", "reference")
+_cuda_triton = CUDA_VERIFIED | frozenset(filter(None, os.environ.get("KDA_OPS_CUDA_TRITON", "").split(",")))
+
+
+@contextlib.contextmanager
+def cuda_triton(*names: str) -> Iterator[None]:
+    """Run the Triton kernels of the ops ``names`` on CUDA too (tests and benchmarks of unverified kernels)."""
+    global _cuda_triton
+    unknown = set(names) - TRITON_KERNELS
+    if unknown:
+        raise ValueError(f"cuda_triton: expected op names among {sorted(TRITON_KERNELS)}, got {sorted(unknown)}")
+    old, _cuda_triton = _cuda_triton, _cuda_triton | frozenset(names)
+    try:
+        yield
+    finally:
+        _cuda_triton = old
 
 
 @contextlib.contextmanager
@@ -59,10 +79,13 @@ def cpu_backend(name: str) -> Iterator[None]:
         _cpu_backend = old
 
 
-def _use_triton(op: str, device: torch.device) -> bool:
+def uses_triton(op: str, device: torch.device) -> bool:
+    """Whether ``torch.ops.kda.<op>`` runs its Triton kernel for tensors on ``device`` (else the reference)."""
     if op not in TRITON_KERNELS:
         return False
-    return device.type == "cuda" or (device.type == "cpu" and _cpu_backend == "triton")
+    if device.type == "cuda":
+        return op in _cuda_triton
+    return device.type == "cpu" and _cpu_backend == "triton"
 
 
 def _triton_kernel(op: str) -> Callable[..., Any]:
@@ -106,7 +129,7 @@ def _forward(op: str, ref: Callable[..., tuple[Tensor, Tensor]]) -> Any:
         opts = _options(
             lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval
         )
-        kernel = _triton_kernel(op) if _use_triton(op, q.device) else ref
+        kernel = _triton_kernel(op) if uses_triton(op, q.device) else ref
         return kernel(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts, output_final_state)
 
     @fwd.register_fake
@@ -156,7 +179,7 @@ def _backward(op: str, ref: Callable[..., tuple[Optional[Tensor], ...]]) -> Any:
         opts = _options(
             lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval
         )
-        kernel = _triton_kernel(op) if _use_triton(op, q.device) else ref
+        kernel = _triton_kernel(op) if uses_triton(op, q.device) else ref
         grads = kernel(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts)
         # a fresh empty tensor each: outputs of a custom op may not alias one another
         return tuple(q.new_empty(0) if x is None else x for x in grads)  # type: ignore[return-value]
@@ -245,7 +268,7 @@ def _recurrent_update_impl(
         lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval
     )
     op = "recurrent_update_"
-    kernel = _triton_kernel(op) if _use_triton(op, q.device) else reference.recurrent_update
+    kernel = _triton_kernel(op) if uses_triton(op, q.device) else reference.recurrent_update
     torch.autograd.graph.increment_version(state_pool)
     o: Tensor = kernel(q, k, v, g, beta, state_pool, state_indices, scale, cu_seqlens, A_log, dt_bias, opts)
     return o

@@ -41,7 +41,7 @@ def warmup(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kwargs: A
     """
     if q.device.type != "cuda":
         return
-    if "chunk" in ops.TRITON_KERNELS:
+    if ops.uses_triton("chunk", q.device):
         from kda_ops.triton import chunk_state  # imported lazily: triton is needed only on this path
 
         V = v.shape[-1]

@@ -47,6 +47,13 @@ OPTIONS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 
+
+@pytest.fixture(autouse=True)
+def _triton_chunk_on_cuda() -> Iterator[None]:
+    """The chunk ops run their Triton kernels on CUDA only when asked (ops.CUDA_VERIFIED): these tests ask."""
+    with ops.cuda_triton("chunk", "chunk_bwd"):
+        yield
+
 @contextlib.contextmanager
 def checked() -> Iterator[None]:
     from kda_ops.triton.debug import poison_outputs

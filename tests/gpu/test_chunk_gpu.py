@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import kda_ops
-from kda_ops import reference
+from kda_ops import ops, reference
 from kda_ops.common import Options
 from kda_ops.testing import make_inputs, make_state, rel_err
 
@@ -50,6 +50,13 @@ OPTIONS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     ),  # fmt: skip
 }
 
+
+
+@pytest.fixture(autouse=True)
+def _triton_chunk_on_cuda() -> Iterator[None]:
+    """The chunk ops run their Triton kernels on CUDA only when asked (ops.CUDA_VERIFIED): these tests ask."""
+    with ops.cuda_triton("chunk", "chunk_bwd"):
+        yield
 
 @contextlib.contextmanager
 def checked() -> Iterator[None]:

@@ -33,7 +33,6 @@ from kda_ops.triton.chunk_state import chunk_state
 from kda_ops.triton.debug import poison
 from kda_ops.varlen import chunk_slots, flat_cu_seqlens
 
-
 # The scan with the outputs fused in (no per-chunk states through memory) faults on the H200 with triton 3.6
 # (illegal address in the scan's dot, 2026-11-29, tests/gpu/test_chunk_gpu.py); until that is understood the
 # forward keeps the states and runs the output stage separately, the path the GPU tests pass on.

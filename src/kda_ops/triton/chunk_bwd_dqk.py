@@ -197,7 +197,8 @@ def chunk_bwd_dqk(
     chunk_bwd_dqk_kernel[(NC, HV)](
         contiguous(q), contiguous(k), Gam, Gl, contiguous(beta), dMqk, dMkk, dKt, Hin, contiguous(E), dSp,
         contiguous(dO), dbeta_partial, dq, dk, dg, dbeta, slots.start, slots.count, float(scale), H, HV,
-        K=K, V=V, BK=min(pow2(K), 32), BV=min(pow2(V), 64), NB=NB, BC=BC, BT=BT, PREC=prec, DT=compute_dtype(Hin), num_stages=1,
+        K=K, V=V, BK=min(pow2(K), 32), BV=min(pow2(V), 64), NB=NB, BC=BC, BT=BT, PREC=prec,
+        DT=compute_dtype(Hin), num_stages=1,
     )  # fmt: skip
     return dq, dk, dg, dbeta
 

@@ -44,7 +44,9 @@ from kda_ops.triton.debug import poison
 
 # None: pick BV from the machine (scan_block_v); an int forces it (benchmarks sweep it).
 BV_OVERRIDE: int | None = None
-BV_CHOICES = (64, 32, 16)
+# No 16-wide tiles: at BV = 16 the scan faulted on the H200 (triton 3.6) with an out-of-range shared address in its
+# dot, while BV = 32 and 64 ran (2026-11-29; benchmarks at N*HV = 32 and 256 vs the failing tests at N*HV = 8).
+BV_CHOICES = (64, 32)
 # Programs per SM below which BV halves: one program per SM leaves the scan's latency exposed; 0.8 keeps
 # 32 heads x 4 tiles = 128 programs on a 132-SM H200 at BV = 32 rather than halving to 16.
 # TODO(bench): justify with `python benchmarks/bench_chunk.py --sweep-bv` on the H200.
