@@ -81,7 +81,9 @@ def pairwise_bwd(q, k, Gam, beta, dMqk, dMkk, tok0, count, i_h, i_hv, H, HV, sca
             GJ = load2(Gam + i_hv * K, tJ, mJ, HV * K, o_k, m_k, DT)
             if J < I:
                 n = J * BC + BC - 1
-                Gn = tl.load(Gam + (tok0 + n) * HV * K + i_hv * K + o_k, mask=m_k & (n < count), other=0.0).to(DT)
+                # a block mask, not block & scalar: triton 3.9's interpreter rejects the mixed form
+                m_n = m_k & ((o_k * 0 + n) < count)
+                Gn = tl.load(Gam + (tok0 + n) * HV * K + i_hv * K + o_k, mask=m_n, other=0.0).to(DT)
                 eJ = tl.exp(tl.minimum(Gn[None, :] - GJ, 0.0))  # [BC, BK] <= 1
                 eI = tl.exp(tl.minimum(GI - Gn[None, :], 0.0))
                 kJe = kJ * eJ
