@@ -51,7 +51,7 @@ def naive_recurrent_kda(
     if cu_seqlens is None:
         bounds = [(b, 0, T) for b in range(B)]
     else:
-        cu = cu_seqlens.tolist()  # oracle only: reading values on the host is fine here
+        cu = cu_seqlens.tolist()  # sync-ok: oracle only, never on an op call path
         bounds = [(0, cu[n], cu[n + 1]) for n in range(len(cu) - 1)]
     outs = torch.zeros(B, T, HV, V, dtype=dtype, device=v.device)
     o_rows: list[list[Tensor]] = [[] for _ in range(B)]
