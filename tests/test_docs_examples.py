@@ -1,0 +1,23 @@
+"""The code blocks of docs/compile.md and docs/serving.md run as written (on the CPU here)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+BLOCKS = [
+    pytest.param(code, id=f"{page}-{i}")
+    for page in ("compile.md", "serving.md")
+    for i, code in enumerate(re.findall(r"```python\n(.*?)```", (DOCS / page).read_text(), re.S))
+]
+
+
+@pytest.mark.parametrize("code", BLOCKS)
+def test_docs_example_runs(code: str) -> None:
+    import torch
+
+    torch._dynamo.reset()
+    exec(compile(code, "<docs>", "exec"), {"__name__": "__docs__"})
