@@ -13,8 +13,6 @@ ill-conditioned for any fp32 code, which would test the inputs rather than the k
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,11 +20,12 @@ import torch
 import torch.nn.functional as F
 
 import kda_ops
-from kda_ops import ops, reference
+from kda_ops import reference
 from kda_ops.common import Options
 from kda_ops.testing import make_inputs, make_state, rel_err
+from tests._gpu_checks import checked, triton_chunk_on_cuda  # noqa: F401 (a fixture)
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("triton_chunk_on_cuda")]
 DEV = "cuda"
 F64 = torch.float64
 BF16 = torch.bfloat16
@@ -49,27 +48,6 @@ OPTIONS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
          "allow_neg_eigval": True},
     ),  # fmt: skip
 }
-
-
-
-@pytest.fixture(autouse=True)
-def _triton_chunk_on_cuda() -> Iterator[None]:
-    """The chunk ops run their Triton kernels on CUDA only when asked (ops.CUDA_VERIFIED): these tests ask."""
-    with ops.cuda_triton("chunk", "chunk_bwd"):
-        yield
-
-@contextlib.contextmanager
-def checked() -> Iterator[None]:
-    """Around a kernel call: host syncs raise, and every launcher's outputs start as NaN."""
-    from kda_ops.triton.debug import poison_outputs
-
-    old = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with poison_outputs():
-            yield
-    finally:
-        torch.cuda.set_sync_debug_mode(old)
 
 
 def _case(name: str, B: int, T: int, H: int, K: int, V: int, HV: int, dtype: torch.dtype, gates: str = "normal",
