@@ -27,6 +27,6 @@ def checked() -> Iterator[None]:
 
 @pytest.fixture
 def triton_chunk_on_cuda() -> Iterator[None]:
-    """The chunk ops run their Triton kernels on CUDA only when asked (ops.CUDA_VERIFIED): the chunk tests ask."""
+    """The chunk tests run the Triton kernels on CUDA even when an op is out of ops.CUDA_VERIFIED."""
     with ops.cuda_triton("chunk", "chunk_bwd"):
         yield

@@ -32,7 +32,7 @@ from kda_ops.triton import chunk_cumsum, chunk_intra, chunk_output, chunk_prepar
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float64: "*fp64",
-       torch.int64: "*i64", torch.int32: "*i32"}  # fmt: skip
+       torch.int64: "*i64", torch.int32: "*i32", torch.int8: "*i8"}  # fmt: skip
 BF, F32, F64, I64, I32 = torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int32
 
 
@@ -124,12 +124,14 @@ def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
                                      4, 1),
         "cumsum": (chunk_cumsum.chunk_cumsum_kernel, dict(stage, g=F32, A_log=F32, dt_bias=F32, Gam=F32, Gl=F32,
                                                           K=100, BK=64), 4, 1),
-        "intra": (chunk_intra.chunk_intra_kernel, dict(stage, **qk, q=BF, k=BF, g=F32, beta=BF, A_log=F32,
-                  dt_bias=F32, Mqk=F32, Mkk=F32, Qt=BF, Kend=BF, Gl=F32, scale=0.1, K=100, BK=32, PREC="tf32",
-                  ASPAN=80.0, SPAN=80.0), 8, 1),
-        "solve": (chunk_solve.chunk_solve_kernel, dict(stage, **qk, Mkk=F32, k=BF, v=BF, g=F32, beta=BF, A_log=F32,
-                  dt_bias=F32, Tm=F32, W=BF, U=BF, K=100, V=100, BK=32, BV=64, PREC_SOLVE="ieee",
-                  PREC_WY="tf32"), 8, 1),
+        **{f"intra {'blocks' if blocks else 'anchored'} K={K} BK={bk}": (chunk_intra.chunk_intra_kernel,
+            dict(stage, **qk, q=BF, k=BF, g=F32, beta=BF, A_log=F32, dt_bias=F32, Mqk=F32, Mkk=F32, Qt=BF, Kend=BF,
+                 Gl=F32, flag=torch.int8, scale=0.1, K=K, BK=bk, PREC="tf32", ASPAN=80.0, SPAN=80.0, BLOCKS=blocks),
+            4, 1) for blocks, K, bk in ((False, 128, 64), (False, 100, 32), (True, 128, 32))},
+        **{f"solve K=V={K} BK={bk} BV={bv} tm={tm}": (chunk_solve.chunk_solve_kernel,
+            dict(stage, **qk, Mkk=F32, k=BF, v=BF, g=F32, beta=BF, A_log=F32, dt_bias=F32, Tm=F32, W=BF, U=BF, K=K,
+                 V=K, BK=bk, BV=bv, PREC_SOLVE="tf32x3", PREC_WY="tf32", STORE_TM=tm), 4, 1)
+           for K, bk, bv, tm in ((128, 64, 64, False), (100, 32, 64, True))},
         "output": (chunk_output.chunk_output_kernel, dict(Qt=BF, Mqk=F32, Hin=F32, E=F32, o=BF, slot_start=I64,
                    slot_count=I64, HV=32, K=100, V=100, BK=128, BV=64, BT=64, PREC="bf16", DT=tl.float32), 4, 1),
     }  # fmt: skip

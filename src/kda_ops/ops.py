@@ -42,11 +42,11 @@ from kda_ops.common import Options, backward_outputs, forward_outputs
 
 # Ops with a Triton kernel: it runs on the CPU under the "triton" CPU backend (the interpreter tests).
 TRITON_KERNELS: frozenset[str] = frozenset({"chunk", "chunk_bwd", "recurrent", "recurrent_bwd", "recurrent_update_"})
-# Ops whose Triton kernel has passed the GPU test suite on the H200 and so runs on CUDA by default. The chunk
-# kernels fault on the H200 for some shapes (2026-11-29, tests/gpu/test_chunk_gpu.py): on CUDA they run only when
-# asked for, by `cuda_triton(...)` or KDA_OPS_CUDA_TRITON=chunk,chunk_bwd; otherwise the chunk ops run the
-# (slower, correct) reference on CUDA.
-CUDA_VERIFIED: frozenset[str] = frozenset({"recurrent", "recurrent_bwd", "recurrent_update_"})
+# Ops whose Triton kernel has passed the GPU test suite on the H200 and so runs on CUDA by default: all of them
+# since 2026-11-29 (tests/gpu: chunk 51 + 17 passed, recurrent 32). A kernel added later stays out of this set,
+# and CUDA calls of its op take the reference, until it passes; `cuda_triton(...)` or KDA_OPS_CUDA_TRITON=<op>
+# opts in meanwhile.
+CUDA_VERIFIED: frozenset[str] = TRITON_KERNELS
 
 _cpu_backend = os.environ.get("KDA_OPS_CPU_BACKEND", "reference")
 _cuda_triton = CUDA_VERIFIED | frozenset(filter(None, os.environ.get("KDA_OPS_CUDA_TRITON", "").split(",")))

@@ -29,7 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kda_ops.common import Options
-from kda_ops.triton.chunk_common import BT, col_mask, compute_dtype, contiguous, pow2, slot_rows, store2
+from kda_ops.triton.chunk_common import BT, col_mask, compute_dtype, contiguous, launch, pow2, slot_rows, store2
 from kda_ops.triton.debug import poison
 from kda_ops.varlen import ChunkSlots
 
@@ -136,7 +136,7 @@ def chunk_local_cumsum(
     chunk_cumsum_kernel[(NC, HV, triton.cdiv(K, BK))](
         contiguous(g), A_log, dt_bias, Gam, Gl, slots.start, slots.count,
         0.0 if opts.lower_bound is None else float(opts.lower_bound), HV,
-        K=K, BK=BK, BT=BT, DT=compute_dtype(g), **gate_flags(opts, A_log, dt_bias), num_stages=1,
+        K=K, BK=BK, BT=BT, DT=compute_dtype(g), **gate_flags(opts, A_log, dt_bias), **launch("cumsum"),
     )  # fmt: skip
     return Gam, Gl
 

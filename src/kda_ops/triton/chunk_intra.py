@@ -41,11 +41,11 @@ from kda_ops.triton.chunk_common import (
     col_mask,
     compute_dtype,
     contiguous,
+    launch,
     load2,
     load_beta2,
     max2,
     mm,
-    pow2,
     rnorm2,
     slot_rows,
     store2,
@@ -181,32 +181,45 @@ def intra_masks(Mqk, Mkk, beta, BT: tl.constexpr):
 
 @triton.jit
 def chunk_intra_kernel(
-    q, k, g, beta, A_log, dt_bias, Mqk, Mkk, Qt, Kend, Gl, slot_start, slot_count, scale, lower_bound, H, HV,
+    q, k, g, beta, A_log, dt_bias, Mqk, Mkk, Qt, Kend, Gl, flag, slot_start, slot_count, scale, lower_bound, H, HV,
     K: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
     USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr, USE_BIAS: tl.constexpr,
     USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
-    PREC: tl.constexpr, DT: tl.constexpr, ASPAN: tl.constexpr, SPAN: tl.constexpr,
+    PREC: tl.constexpr, DT: tl.constexpr, ASPAN: tl.constexpr, SPAN: tl.constexpr, BLOCKS: tl.constexpr,
 ):  # fmt: skip
+    """Two passes over the chunk slots. ``BLOCKS = False``: the anchored path; a chunk with a key tile beyond
+    ``ASPAN`` is left to the second pass (``flag = 1``, Mqk/Mkk not written). ``BLOCKS = True``: the block path
+    for the flagged chunks only. Two kernels rather than a branch per tile: the block path's registers would
+    otherwise bound the occupancy of the common case."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
     if count == 0:
         return
+    p_flag = flag + i_c.to(tl.int64) * HV + i_hv
+    if BLOCKS:
+        if tl.load(p_flag) == 0:
+            return
     rq, rk = qk_norms(q, k, tok, m, i_h, H, K, BK, BT, USE_L2NORM, DT)
     Mqk2 = tl.zeros((BT, BT), dtype=DT)
     Mkk2 = tl.zeros((BT, BT), dtype=DT)
+    ok = True
     for i_k in range(tl.cdiv(K, BK)):
         qs, kk, g2, E = key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, tok, m, i_c, i_h, i_hv, H, HV, scale,
                                  lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)
-        if max2(tl.abs(E)) <= ASPAN:
-            Mqk2, Mkk2 = intra_anchored(qs, kk, E, Mqk2, Mkk2, PREC, DT, ASPAN)
-        else:
+        if BLOCKS:
             Mqk2, Mkk2 = intra_blocks(qs, kk, g2, Mqk2, Mkk2, NB, BC, BT, BK, PREC, DT, SPAN)
-    beta2 = load_beta2(beta, tok, m, HV, i_hv, BETA_SIGMOID, NEG_EIGVAL, DT)
-    Mqk2, Mkk2 = intra_masks(Mqk2, Mkk2, beta2, BT)
-    cols = tl.arange(0, BT)
-    store2(Mqk + i_hv * BT, tok, m, HV * BT, cols, col_mask(cols, BT, BT), Mqk2)
-    store2(Mkk + i_hv * BT, tok, m, HV * BT, cols, col_mask(cols, BT, BT), Mkk2)
+        else:
+            ok = ok & (max2(tl.abs(E)) <= ASPAN)
+            Mqk2, Mkk2 = intra_anchored(qs, kk, E, Mqk2, Mkk2, PREC, DT, ASPAN)
+    if not BLOCKS:
+        tl.store(p_flag, tl.where(ok, 0, 1).to(flag.dtype.element_ty))
+    if BLOCKS or ok:
+        beta2 = load_beta2(beta, tok, m, HV, i_hv, BETA_SIGMOID, NEG_EIGVAL, DT)
+        Mqk2, Mkk2 = intra_masks(Mqk2, Mkk2, beta2, BT)
+        cols = tl.arange(0, BT)
+        store2(Mqk + i_hv * BT, tok, m, HV * BT, cols, col_mask(cols, BT, BT), Mqk2)
+        store2(Mkk + i_hv * BT, tok, m, HV * BT, cols, col_mask(cols, BT, BT), Mkk2)
 
 
 def chunk_intra(
@@ -237,14 +250,17 @@ def chunk_intra(
     Qt = q.new_empty(T, HV, K, dtype=precision.store)
     Kend = torch.empty_like(Qt)
     Gl = q.new_empty(NC, HV, K, dtype=dtype)
+    flag = q.new_empty(NC, HV, dtype=torch.int8)
     poison(Mqk, Mkk, Qt, Kend, Gl)
-    chunk_intra_kernel[(NC, HV)](
-        contiguous(q), contiguous(k), contiguous(g), contiguous(beta), A_log, dt_bias, Mqk, Mkk, Qt, Kend, Gl,
-        slots.start, slots.count, float(scale), 0.0 if opts.lower_bound is None else float(opts.lower_bound), H, HV,
-        K=K, BK=min(pow2(K), 32), NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm,
-        BETA_SIGMOID=opts.use_beta_sigmoid, NEG_EIGVAL=opts.allow_neg_eigval, PREC=precision.intra,
-        DT=compute_dtype(q), ASPAN=ANCHOR_SPAN, SPAN=FACTOR_SPAN, **gate_flags(opts, A_log, dt_bias), num_stages=1,
-    )  # fmt: skip
+    for blocks in (False, True):
+        chunk_intra_kernel[(NC, HV)](
+            contiguous(q), contiguous(k), contiguous(g), contiguous(beta), A_log, dt_bias, Mqk, Mkk, Qt, Kend, Gl,
+            flag, slots.start, slots.count, float(scale),
+            0.0 if opts.lower_bound is None else float(opts.lower_bound), H, HV,
+            K=K, NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm, BETA_SIGMOID=opts.use_beta_sigmoid,
+            NEG_EIGVAL=opts.allow_neg_eigval, PREC=precision.intra, DT=compute_dtype(q), ASPAN=ANCHOR_SPAN,
+            SPAN=FACTOR_SPAN, BLOCKS=blocks, **gate_flags(opts, A_log, dt_bias), **launch("intra", BK=K),
+        )  # fmt: skip
     return Mqk, Mkk, Qt, Kend, Gl
 
 

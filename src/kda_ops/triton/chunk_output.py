@@ -19,6 +19,7 @@ from kda_ops.triton.chunk_common import (
     col_mask,
     compute_dtype,
     contiguous,
+    launch,
     load2,
     mm,
     pow2,
@@ -70,10 +71,10 @@ def chunk_output(
     NC = slots.start.shape[0]
     o = E.new_empty(T, HV, V, dtype=out_dtype)
     poison(o)
-    BV = min(pow2(V), 64)
-    chunk_output_kernel[(NC, triton.cdiv(V, BV), HV)](
+    cfg = launch("output", BV=V)
+    chunk_output_kernel[(NC, triton.cdiv(V, cfg["BV"]), HV)](
         contiguous(Qt), contiguous(Mqk), contiguous(Hin), contiguous(E), o, slots.start, slots.count, HV,
-        K=K, V=V, BK=pow2(K), BV=BV, BT=BT, PREC=precision.output, DT=compute_dtype(Hin), num_stages=1,
+        K=K, V=V, BK=pow2(K), BT=BT, PREC=precision.output, DT=compute_dtype(Hin), **cfg,
     )  # fmt: skip
     return o
 

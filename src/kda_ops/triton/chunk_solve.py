@@ -24,10 +24,10 @@ from kda_ops.triton.chunk_common import (
     col_mask,
     compute_dtype,
     contiguous,
+    launch,
     load2,
     load_beta2,
     mm,
-    pow2,
     rnorm2,
     slot_rows,
     store2,
@@ -98,7 +98,7 @@ def chunk_solve_kernel(
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr,
     BT: tl.constexpr, USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr,
     USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
-    PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr, DT: tl.constexpr,
+    PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr, DT: tl.constexpr, STORE_TM: tl.constexpr,
 ):  # fmt: skip
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -108,7 +108,8 @@ def chunk_solve_kernel(
     cols = tl.arange(0, BT)
     m_c = col_mask(cols, BT, BT)
     T2 = solve_unit_lower(load2(Mkk + i_hv * BT, tok, m, HV * BT, cols, m_c, DT), NB, BC, BT, PREC_SOLVE, DT)
-    store2(Tm + i_hv * BT, tok, m, HV * BT, cols, m_c, T2)
+    if STORE_TM:
+        store2(Tm + i_hv * BT, tok, m, HV * BT, cols, m_c, T2)
     if USE_L2NORM:
         rk = rnorm2(k + i_h * K, tok, m, H * K, K, BK, BT, DT)
     else:
@@ -128,24 +129,27 @@ def chunk_solve(
     dt_bias: Tensor | None,
     opts: Options,
     precision: Precision,
+    store_tm: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(Tm, W, U)`` of every chunk slot: ``Tm [T, HV, BT]`` in the compute dtype, ``W [T, HV, K]`` and
     ``U [T, HV, V]`` in ``precision.store``. ``Mkk [T, HV, BT]`` as from
     :func:`~kda_ops.triton.chunk_intra.chunk_intra`; ``k [T, H, K]``, ``v [T, HV, V]``, ``g [T, HV, K]``,
-    ``beta [T, HV]`` as given to the public function."""
+    ``beta [T, HV]`` as given to the public function. ``store_tm=False`` (the forward) leaves ``Tm`` unwritten
+    (and unallocated: an empty tensor); only the backward reads it."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     NC = slots.start.shape[0]
-    Tm = torch.empty_like(Mkk)
+    Tm = torch.empty_like(Mkk) if store_tm else Mkk.new_empty(0)
     W = k.new_empty(T, HV, K, dtype=precision.store)
     U = v.new_empty(T, HV, V, dtype=precision.store)
     poison(Tm, W, U)
     chunk_solve_kernel[(NC, HV)](
         contiguous(Mkk), contiguous(k), contiguous(v), contiguous(g), contiguous(beta), A_log, dt_bias, Tm, W, U,
         slots.start, slots.count, 0.0 if opts.lower_bound is None else float(opts.lower_bound), H, HV,
-        K=K, V=V, BK=min(pow2(K), 32), BV=min(pow2(V), 64), NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm,
+        K=K, V=V, NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm,
         BETA_SIGMOID=opts.use_beta_sigmoid, NEG_EIGVAL=opts.allow_neg_eigval, PREC_SOLVE=precision.solve,
-        PREC_WY=precision.wy, DT=compute_dtype(k), **gate_flags(opts, A_log, dt_bias), num_stages=1,
+        PREC_WY=precision.wy, DT=compute_dtype(k), STORE_TM=store_tm, **gate_flags(opts, A_log, dt_bias),
+        **launch("solve", BK=K, BV=V),
     )  # fmt: skip
     return Tm, W, U
 

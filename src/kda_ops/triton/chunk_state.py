@@ -29,10 +29,10 @@ from torch import Tensor
 from kda_ops.triton.chunk_common import (
     BT,
     Precision,
-    autotune_configs,
     col_mask,
     compute_dtype,
     contiguous,
+    launch,
     load2,
     mm,
     pow2,
@@ -78,11 +78,9 @@ def scan_block_v(V: int, programs: int, device: torch.device) -> int:
 
 # K = V = 128, BV = 32 (ptxas, sm_90): 4 warps 152 registers, 8 warps 126, no spills. One stage only: with two
 # stages of cp.async prefetch, triton 3.6 on the H200 faults with "out-of-range shared address" in the scan's dot
-# at K = 128 (compute-sanitizer memcheck, 2026-11-29), killing the CUDA context during autotuning.
-_CONFIGS = autotune_configs([triton.Config({}, num_warps=w, num_stages=1) for w in (4, 8)])
+# at K = 128 (compute-sanitizer memcheck, 2026-11-29). The launch is fixed (``chunk_common.LAUNCH["scan"]``).
 
 
-@triton.autotune(configs=_CONFIGS, key=["K", "V", "BV", "FUSE_OUTPUT", "STORE_STATES", "PREC_SCAN", "PREC_OUT"])
 @triton.jit
 def chunk_state_kernel(
     W, U, Kend, Gl, h0, final, Qt, Mqk, o, Hin, E, cu, chunk_off, HV,
@@ -112,15 +110,22 @@ def chunk_state_kernel(
         S = tl.load(h0 + s_off + p_s, mask=m_s, other=0.0).to(DT)
     else:
         S = tl.zeros((BK, BV), dtype=DT)
-    for j in range(tl.cdiv(eos - bos, BT).to(tl.int32)):
-        tok = bos + j * BT + rows
-        m = tok < eos
+    n_chunks = tl.cdiv(eos - bos, BT).to(tl.int32)
+    # the next chunk's tiles load while this chunk's products run (registers, no compiler pipelining)
+    tok = bos + rows
+    m = tok < eos
+    w = tile2(W + i_hv * K, tok, m, HV * K, o_k, m_k)
+    u = load2(U + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
+    ke = tile2(Kend + i_hv * K, tok, m, HV * K, o_k, m_k)
+    gl = tl.load(Gl + (c0 * HV + i_hv) * K + o_k, mask=m_k & (n_chunks > 0), other=0.0).to(DT)
+    for j in range(n_chunks):
         c = c0 + j
-        # product operands stay in their stored dtype: a bf16 tile feeds the tensor cores as loaded
-        w = tile2(W + i_hv * K, tok, m, HV * K, o_k, m_k)
-        u = load2(U + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
-        ke = tile2(Kend + i_hv * K, tok, m, HV * K, o_k, m_k)
-        gl = tl.load(Gl + (c * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(DT)
+        tok_n = tok + BT
+        m_n = tok_n < eos
+        w_n = tile2(W + i_hv * K, tok_n, m_n, HV * K, o_k, m_k)
+        u_n = load2(U + i_hv * V, tok_n, m_n, HV * V, o_v, m_v, DT)
+        ke_n = tile2(Kend + i_hv * K, tok_n, m_n, HV * K, o_k, m_k)
+        gl_n = tl.load(Gl + ((c + 1) * HV + i_hv) * K + o_k, mask=m_k & (j + 1 < n_chunks), other=0.0).to(DT)
         Ec = u - mm(w, S, PREC_SCAN, DT)
         if STORE_STATES:
             tl.store(Hin + (c * HV + i_hv) * K * V + p_s, S.to(Hin.dtype.element_ty), mask=m_s)
@@ -130,6 +135,7 @@ def chunk_state_kernel(
             A = tile2(Mqk + i_hv * BT, tok, m, HV * BT, rows, col_mask(rows, BT, BT))
             store2(o + i_hv * V, tok, m, HV * V, o_v, m_v, output_tile(qt, S, A, Ec, PREC_OUT, DT))
         S = S * tl.exp(gl)[:, None] + mm(tl.trans(ke), Ec, PREC_SCAN, DT)
+        w, u, ke, gl, tok, m = w_n, u_n, ke_n, gl_n, tok_n, m_n
     if STORE_FINAL:
         tl.store(final + s_off + p_s, S.to(final.dtype.element_ty), mask=m_s)
 
@@ -175,7 +181,7 @@ def chunk_state(
         contiguous(W), contiguous(U), contiguous(Kend), Gl, h0, final, Qt, Mqk, o, Hin, E, cu, chunk_offsets(cu), HV,
         K=K, V=V, BK=pow2(K), BV=BV, BT=BT, USE_H0=h0 is not None, STORE_FINAL=final is not None,
         FUSE_OUTPUT=outputs is not None, STORE_STATES=store_states, PREC_SCAN=precision.scan,
-        PREC_OUT=precision.output, DT=compute_dtype(Gl),
+        PREC_OUT=precision.output, DT=compute_dtype(Gl), **launch("scan"),
     )  # fmt: skip
     return Hin, E
 
