@@ -160,13 +160,14 @@ def gpu(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks in the machine's own Python.
 
-    ``nox -s bench`` runs benchmarks/bench_recurrent.py and bench_chunk.py; ``nox -s bench -- chunk`` only the
+    ``nox -s bench`` runs benchmarks/bench_recurrent.py, bench_chunk.py, bench_chunk_bwd.py and bench_prefill.py;
+    ``nox -s bench -- chunk`` only the
     second; arguments after a second ``--`` go to every script: ``nox -s bench -- chunk -- --quick``.
     """
     args = list(session.posargs)
     cut = args.index("--") if "--" in args else len(args)
     names, script_args = args[:cut], args[cut + 1 :]
-    names = names or ["recurrent", "chunk"]
+    names = names or ["recurrent", "chunk", "chunk_bwd", "prefill"]
     scripts = [ROOT / "benchmarks" / (n if n.endswith(".py") else f"bench_{n}.py") for n in names]
     found = [s for s in scripts if s.exists()]
     if len(found) != len(scripts) and args[:cut]:

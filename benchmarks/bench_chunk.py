@@ -268,47 +268,41 @@ def bv_sweep() -> list[str]:
 
 
 def breakdown(B: int, T: int, H: int) -> list[str]:
-    """Where the time goes at one shape: each launcher of the fused pipeline alone, the block path for every chunk
-    (what a ``lower_bound`` below -2.5 runs), the staged pipeline, and the configurations autotuning chose."""
-    from kda_ops.triton import chunk as tc
-    from kda_ops.triton import chunk_prepare as tp
+    """Where the time goes at one shape: the public call, and each stage launcher of the pipeline alone."""
     from kda_ops.triton import chunk_state as ts
-    from kda_ops.triton.chunk_common import BT, precision_for
+    from kda_ops.triton.chunk_common import BT, LAUNCH, precision_for
+    from kda_ops.triton.chunk_intra import chunk_intra
+    from kda_ops.triton.chunk_output import chunk_output
+    from kda_ops.triton.chunk_solve import chunk_solve
     from kda_ops.varlen import chunk_slots, flat_cu_seqlens
 
     x = inputs(B, T, H)
     opts = Options(use_qk_l2norm=True)
     p = precision_for(torch.bfloat16)
-    flat = {n: t.flatten(0, 1) for n, t in x.items()}
+    f = {n: t.flatten(0, 1) for n, t in x.items()}
     cu = flat_cu_seqlens(None, B, T, x["q"].device)
     slots = chunk_slots(cu, B * T, BT)
-    args = (flat["q"], flat["k"], flat["v"], flat["g"], flat["beta"], D**-0.5, slots, None, None, opts, p)
-    Mqk, W, U, Qt, Kend, Gl = tp.chunk_prepare(*args)
-    o = torch.empty_like(flat["v"])
+    Mqk, Mkk, Qt, Kend, Gl = chunk_intra(f["q"], f["k"], f["g"], f["beta"], D**-0.5, slots, None, None, opts, p)
+    _, W, U = chunk_solve(Mkk, f["k"], f["v"], f["g"], f["beta"], slots, None, None, opts, p, store_tm=False)
     final = torch.empty(B, H, D, D, device=DEV)
-    fwd = (x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, None, None, None, None, opts, True)
+    Hin, E = ts.chunk_state(W, U, Kend, Gl, None, cu, p, final=final, store_states=True)
+    assert Hin is not None and E is not None
     rows = {
         "chunk_kda (public function)": lambda: call_ours(x),
         "slot map (flat_cu_seqlens, chunk_slots, chunk_offsets)": lambda: ts.chunk_offsets(
             chunk_slots(flat_cu_seqlens(None, B, T, x["q"].device), B * T, BT).start),
-        "chunk_prepare (anchored + block fixup)": lambda: tp.chunk_prepare(*args),
-        "chunk_state with outputs (the scan)": lambda: ts.chunk_state(W, U, Kend, Gl, None, cu, p, final=final,
-                                                                      outputs=(Qt, Mqk, o)),
-        "chunk_fwd_staged (five stages through memory)": lambda: tc.chunk_fwd_staged(*fwd),
+        "stage 2 chunk_intra (Mqk, Mkk, Qt, Kend; cumsum fused)": lambda: chunk_intra(
+            f["q"], f["k"], f["g"], f["beta"], D**-0.5, slots, None, None, opts, p),
+        "stage 3 chunk_solve (Tm, W, U)": lambda: chunk_solve(
+            Mkk, f["k"], f["v"], f["g"], f["beta"], slots, None, None, opts, p, store_tm=False),
+        "stage 4 chunk_state (the scan, states kept)": lambda: ts.chunk_state(
+            W, U, Kend, Gl, None, cu, p, final=final, store_states=True),
+        "stage 5 chunk_output": lambda: chunk_output(Qt, Mqk, Hin, E, slots, p, torch.bfloat16),
     }  # fmt: skip
     lines = [f"| B{B} T{T} H{H}: part | ms |", "|---|---|"]
     for name, fn in rows.items():
         lines.append(f"| {name} | {gpu_ms(fn):.3f} |")
-    orig = tp.anchored_path_usable
-    try:
-        tp.anchored_path_usable = lambda opts: False  # type: ignore[assignment]
-        lines.append(f"| chunk_prepare, block path for every chunk | {gpu_ms(lambda: tp.chunk_prepare(*args)):.3f} |")
-    finally:
-        tp.anchored_path_usable = orig
-    for name, kern in (("prepare (anchored)", tp.chunk_prepare_kernel), ("prepare (blocks)",
-                       tp.chunk_prepare_blocks_kernel), ("scan", ts.chunk_state_kernel)):  # fmt: skip
-        lines.append(f"| autotuned {name} | {getattr(kern, 'best_config', '-')} |")
-    lines.append(f"| scan value tile | {ts.scan_block_v(D, B * H, x['q'].device)} |")
+    lines.append(f"| launch configurations | {LAUNCH}, scan value tile {ts.scan_block_v(D, B * H, x['q'].device)} |")
     return lines
 
 
@@ -422,5 +416,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    with kda_ops.ops.cuda_triton("chunk", "chunk_bwd"):  # the chunk kernels are opt-in on CUDA
-        main()
+    main()

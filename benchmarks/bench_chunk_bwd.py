@@ -157,5 +157,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    with kda_ops.ops.cuda_triton("chunk", "chunk_bwd"):  # the chunk kernels are opt-in on CUDA
-        main()
+    main()

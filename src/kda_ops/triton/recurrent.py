@@ -32,11 +32,12 @@ from kda_ops.common import Options, forward_outputs
 from kda_ops.triton.debug import poison
 
 # Launch configuration: fixed per shape (no autotune), so the first call inside a CUDA-graph capture needs no
-# warm-up beyond compilation. Compiled for sm_90 (tests/_sm90_compile_recurrent.py) the decode kernel at
-# K = V = 128 (BV = 32, 4 warps) takes 80-96 registers and no stack. TODO(bench): justify BV_MAX and num_warps
-# with `python benchmarks/bench_recurrent.py --sweep` on the H200 (decode, K = V = 128, B in {1, 16, 64, 256}).
-BV_MAX = 32
-ELEMENTS_PER_WARP = 1024  # state elements per warp: 32 fp32 registers per thread for the state tile
+# warm-up beyond compilation. Chosen by `python benchmarks/bench_recurrent.py --sweep` (H200, triton 3.6,
+# 2026-11-29; decode, K = V = 128, graph-replayed serving step, µs at B = 1/16/64/256): BV = 64 with 2 warps
+# 9.2/26.2/83.4/300.8, against 8.7/27.6/90.0/328.2 for BV = 32 with 4 warps and 9.2/26.2/84.7/308.1 for
+# BV = 64 with 4; BV = 16 is 1.5-1.8x slower from B = 64, BV = 128 and 8 warps slower everywhere.
+BV_MAX = 64
+ELEMENTS_PER_WARP = 4096  # state elements per warp: 128 fp32 registers per thread for the state tile
 
 
 @functools.cache

@@ -52,13 +52,15 @@ from kda_ops.triton.recurrent import (
 # 232-254 registers and no stack at K = V = 128 and 256 (fp64, for checks only, spills). Without alignment hints
 # BV = 64 spilled 128-208 bytes. Smaller tiles would multiply the per-tile partials (memory). TODO(bench): time it.
 BWD_ELEMENTS_PER_WARP = 512
+BWD_BV_MAX = 32
 MIN_CHECKPOINT_INTERVAL = 4
 MAX_CHECKPOINT_INTERVAL = 64
 
 
 def backward_config(K: int, V: int) -> tuple[int, int, int]:
-    """``(BK, BV, num_warps)`` of the backward: the forward's tiles, twice the warps per element."""
+    """``(BK, BV, num_warps)`` of the backward: the forward's key tile, value tiles of at most 32."""
     BK, BV, _ = launch_config(K, V)
+    BV = min(BV, BWD_BV_MAX)
     return BK, BV, min(8, max(1, BK * BV // BWD_ELEMENTS_PER_WARP))
 
 
