@@ -294,4 +294,4 @@ def test_sync_free_and_fully_written_everywhere() -> None:
 
 def test_triton_kernels_are_selected_on_cuda() -> None:
     assert {"recurrent", "recurrent_bwd", "recurrent_update_"} <= ops.TRITON_KERNELS
-    assert ops._use_triton("recurrent", torch.device(DEV))
+    assert all(ops.uses_triton(op, torch.device(DEV)) for op in ops.TRITON_KERNELS)
