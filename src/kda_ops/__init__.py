@@ -3,7 +3,7 @@
 ``import kda_ops`` registers ``torch.ops.kda.*``. Public functions: :func:`chunk_kda` (training, prefill) and
 :func:`recurrent_kda` (decode, short sequences); both return ``(o, final_state or None)``.
 :func:`recurrent_kda_update_` is the serving step: it updates a pool of states in place and returns ``o``.
-:func:`warmup` compiles and autotunes the Triton kernels before a CUDA-graph capture.
+:func:`warmup` compiles the Triton kernels before a CUDA-graph capture.
 """
 
 from kda_ops import ops

@@ -1,12 +1,12 @@
-"""Warm-up before a CUDA-graph capture: compile and autotune the Triton kernels a call will use.
+"""Warm-up before a CUDA-graph capture: compile the Triton kernels a call can use.
 
-The chunk kernels are autotuned on their first call (a few configurations timed on the device), which
-synchronises with the host and therefore cannot run inside ``torch.cuda.graph(...)`` or under
-``torch.cuda.set_sync_debug_mode("error")``. Their choices are keyed on what a model fixes once: the head
-dimensions ``K`` and ``V``, the dtypes, the in-kernel options and the per-product precision, plus the value tile of
-the state scan, which depends on ``N * HV`` (the number of sequences and value heads, for parallelism). Neither
-``B``, ``T`` nor the values of ``cu_seqlens`` play a part. So one :func:`warmup` call with small example inputs
-of the real head counts, dtypes and options leaves nothing to tune or compile for any batch, length or packing::
+Triton compiles a kernel on its first call for each set of compile-time arguments, which cannot happen inside
+``torch.cuda.graph(...)``. Those arguments are what a model fixes once: the head dimensions ``K`` and ``V``, the
+dtypes, the in-kernel options and the per-product precision, plus the value tile of the chunk scan, which depends
+on ``N * HV`` (the number of sequences and value heads, for parallelism). Launch configurations are fixed (no
+autotuning). Neither ``B``, ``T`` nor the values of ``cu_seqlens`` play a part. So one :func:`warmup` call with
+small example inputs of the real head counts, dtypes and options, which compiles every value tile the scan may
+pick, leaves nothing to compile for any batch, length or packing::
 
     kda_ops.warmup(q[:, :64], k[:, :64], v[:, :64], g[:, :64], beta[:, :64], use_qk_l2norm_in_kernel=True,
                    initial_state=h0, output_final_state=True)
@@ -31,7 +31,7 @@ from kda_ops.api import chunk_kda, recurrent_kda
 
 
 def warmup(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kwargs: Any) -> None:
-    """Compile and autotune every Triton kernel that ``chunk_kda(q, k, v, g, beta, **kwargs)`` and
+    """Compile every Triton kernel that ``chunk_kda(q, k, v, g, beta, **kwargs)`` and
     ``recurrent_kda(...)`` use, for every value tile the chunk scan may pick, then wait for the device.
 
     Pass example inputs with the real ``H``, ``HV``, ``K``, ``V``, dtypes and keyword options (``initial_state``
