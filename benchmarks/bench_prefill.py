@@ -11,8 +11,12 @@ short prompt the host's work per call dominates, so each side is measured three 
   then the replay timed by ``do_bench`` and by wall time with a sync, as for eager; the replayed output is
   checked against an eager call.
 
+A second table splits our eager call's host cost: back-to-back calls of each layer alone (the public function, the
+op without argument checks, the Triton driver, the slot map, each stage launcher on prepared inputs), in µs per
+call with a sync at the ends only.
+
 Usage: ``python benchmarks/bench_prefill.py [--out DIR] [--T 1024] [--H 32]``; writes ``bench_prefill.md`` and
-prints the table last.
+prints the tables last.
 """
 
 from __future__ import annotations
@@ -83,6 +87,64 @@ def measure(name: str, fn: Callable[[], Any]) -> dict[str, Any]:
     return row
 
 
+def host_us(fn: Callable[[], Any], iters: int = 300) -> float:
+    """Host µs per call of back-to-back calls, synchronised at the ends only."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
+def host_breakdown(x: dict[str, torch.Tensor]) -> list[str]:
+    """Host µs of each layer of our eager call."""
+    from kda_ops.common import Options
+    from kda_ops.triton import KERNELS
+    from kda_ops.triton import chunk_state as ts
+    from kda_ops.triton.chunk_common import BT, precision_for
+    from kda_ops.triton.chunk_intra import chunk_intra
+    from kda_ops.triton.chunk_output import chunk_output
+    from kda_ops.triton.chunk_solve import chunk_solve
+    from kda_ops.varlen import chunk_slots, flat_cu_seqlens
+
+    B, T, H, D = x["q"].shape
+    opts = Options(use_qk_l2norm=True)
+    p = precision_for(torch.bfloat16)
+    f = {n: t.flatten(0, 1) for n, t in x.items()}
+    cu = flat_cu_seqlens(None, B, T, x["q"].device)
+    slots = chunk_slots(cu, B * T, BT)
+    Mqk, Mkk, Qt, Kend, Gl = chunk_intra(f["q"], f["k"], f["g"], f["beta"], D**-0.5, slots, None, None, opts, p)
+    _, W, U = chunk_solve(Mkk, f["k"], f["v"], f["g"], f["beta"], slots, None, None, opts, p, store_tm=False)
+    final = torch.empty(B, H, D, D, device=x["q"].device)
+    Hin, E = ts.chunk_state(W, U, Kend, Gl, None, cu, p, final=final, store_states=True)
+    assert Hin is not None and E is not None
+    op_args = (x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, None, None, None, None, None, True,
+               True, False, False, False)  # fmt: skip
+    parts = {
+        "kda_ops.chunk_kda (public function)": lambda: bc.call_ours(x),
+        "torch.ops.kda.chunk (op, no argument checks)": lambda: torch.ops.kda.chunk(*op_args),
+        "KERNELS['chunk'] (the Triton driver)": lambda: KERNELS["chunk"](
+            x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, None, None, None, None, opts, True),
+        "slot map (flat_cu_seqlens, chunk_slots, chunk_offsets)": lambda: ts.chunk_offsets(
+            chunk_slots(flat_cu_seqlens(None, B, T, x["q"].device), B * T, BT).start),
+        "chunk_intra (two passes)": lambda: chunk_intra(
+            f["q"], f["k"], f["g"], f["beta"], D**-0.5, slots, None, None, opts, p),
+        "chunk_solve": lambda: chunk_solve(
+            Mkk, f["k"], f["v"], f["g"], f["beta"], slots, None, None, opts, p, store_tm=False),
+        "chunk_state": lambda: ts.chunk_state(W, U, Kend, Gl, None, cu, p, final=final, store_states=True),
+        "chunk_output": lambda: chunk_output(Qt, Mqk, Hin, E, slots, p, torch.bfloat16),
+    }  # fmt: skip
+    lines = ["| part (ours, eager) | host µs per call |", "|---|---|"]
+    with torch.no_grad():
+        for name, fn in parts.items():
+            lines.append(f"| {name} | {host_us(fn):.1f} |")
+            print("  " + lines[-1], file=sys.stderr)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "results")
@@ -112,6 +174,10 @@ def main() -> None:
     ]
     lines += [f"| {r['name']} | {r['eager_wall']:.3f} | {r['eager_gpu']:.3f} | {r['graph_gpu']:.3f} | "
               f"{r['graph_wall']:.3f} | {r['replay_equal']} |" for r in rows]  # fmt: skip
+    try:
+        lines += ["", "Host cost of our eager call, by layer:", ""] + host_breakdown(x)
+    except Exception as e:  # noqa: BLE001 - the latency table above stands on its own
+        lines += ["", f"Host breakdown failed: {type(e).__name__}: {e}"]
     text = "\n".join(lines) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_prefill.md").write_text(text)
