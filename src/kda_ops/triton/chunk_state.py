@@ -117,7 +117,8 @@ def chunk_state_kernel(
     w = tile2(W + i_hv * K, tok, m, HV * K, o_k, m_k)
     u = load2(U + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
     ke = tile2(Kend + i_hv * K, tok, m, HV * K, o_k, m_k)
-    gl = tl.load(Gl + (c0 * HV + i_hv) * K + o_k, mask=m_k & (n_chunks > 0), other=0.0).to(DT)
+    # chunk-count conditions as [BK] tensors: triton 3.9's interpreter rejects a mask of tensor & scalar
+    gl = tl.load(Gl + (c0 * HV + i_hv) * K + o_k, mask=m_k & (o_k * 0 < n_chunks), other=0.0).to(DT)
     for j in range(n_chunks):
         c = c0 + j
         tok_n = tok + BT
@@ -125,7 +126,8 @@ def chunk_state_kernel(
         w_n = tile2(W + i_hv * K, tok_n, m_n, HV * K, o_k, m_k)
         u_n = load2(U + i_hv * V, tok_n, m_n, HV * V, o_v, m_v, DT)
         ke_n = tile2(Kend + i_hv * K, tok_n, m_n, HV * K, o_k, m_k)
-        gl_n = tl.load(Gl + ((c + 1) * HV + i_hv) * K + o_k, mask=m_k & (j + 1 < n_chunks), other=0.0).to(DT)
+        gl_n = tl.load(Gl + ((c + 1) * HV + i_hv) * K + o_k, mask=m_k & (o_k * 0 + j + 1 < n_chunks), other=0.0)
+        gl_n = gl_n.to(DT)
         Ec = u - mm(w, S, PREC_SCAN, DT)
         if STORE_STATES:
             tl.store(Hin + (c * HV + i_hv) * K * V + p_s, S.to(Hin.dtype.element_ty), mask=m_s)
