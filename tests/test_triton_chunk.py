@@ -167,6 +167,26 @@ def test_stage_intra_pairwise_path_equals_factored(monkeypatch: pytest.MonkeyPat
         assert_rel(a, b, 1e-6, name)
 
 
+def test_stage_intra_block_pass_equals_anchored_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every chunk flagged for the second (block-path) pass gives the matrices of the anchored pass."""
+    c = _stage_case(torch.float32, "normal", "l2norm")
+    f = c["flat"]
+    args = (f["q"], f["k"], f["g"], f["beta"], 0.4, c["slots"], c["A_log"], c["dt_bias"], c["opts"], EXACT)
+    anchored = ti.chunk_intra(*args)
+    monkeypatch.setattr(ti, "ANCHOR_SPAN", -1.0)
+    blocks = ti.chunk_intra(*args)
+    for name, a, b in zip(("Mqk", "Mkk", "Qt", "Kend"), anchored[:4], blocks[:4]):
+        assert_rel(a, b, 1e-5, name)  # two fp32 factorings of the same decays
+
+
+def test_launch_configuration_caps_tiles_at_the_head_dimension() -> None:
+    from kda_ops.triton.chunk_common import LAUNCH, launch
+
+    cfg = launch("solve", BK=100, BV=16)
+    assert cfg == {"num_warps": LAUNCH["solve"]["num_warps"], "num_stages": LAUNCH["solve"]["num_stages"],
+                   "BK": min(128, LAUNCH["solve"]["BK"]), "BV": 16}  # fmt: skip
+
+
 @pytest.mark.parametrize(("gates", "option"), [("normal", "plain"), ("reset", "all")])
 def test_stage_solve(gates: str, option: str) -> None:
     c = _stage_case(torch.float32, gates, option)
