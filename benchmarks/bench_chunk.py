@@ -274,14 +274,14 @@ def breakdown(B: int, T: int, H: int) -> list[str]:
     from kda_ops.triton.chunk_intra import chunk_intra
     from kda_ops.triton.chunk_output import chunk_output
     from kda_ops.triton.chunk_solve import chunk_solve
-    from kda_ops.varlen import chunk_slots, flat_cu_seqlens
+    from kda_ops.varlen import chunk_map
 
     x = inputs(B, T, H)
     opts = Options(use_qk_l2norm=True)
     p = precision_for(torch.bfloat16)
     f = {n: t.flatten(0, 1) for n, t in x.items()}
-    cu = flat_cu_seqlens(None, B, T, x["q"].device)
-    slots = chunk_slots(cu, B * T, BT)
+    slots = chunk_map(None, B, T, BT, x["q"].device)
+    cu = slots.cu
     Mqk, Mkk, Qt, Kend, Gl = chunk_intra(f["q"], f["k"], f["g"], f["beta"], D**-0.5, slots, None, None, opts, p)
     _, W, U = chunk_solve(Mkk, f["k"], f["v"], f["g"], f["beta"], slots, None, None, opts, p, store_tm=False)
     final = torch.empty(B, H, D, D, device=DEV)
@@ -289,8 +289,7 @@ def breakdown(B: int, T: int, H: int) -> list[str]:
     assert Hin is not None and E is not None
     rows = {
         "chunk_kda (public function)": lambda: call_ours(x),
-        "slot map (flat_cu_seqlens, chunk_slots, chunk_offsets)": lambda: ts.chunk_offsets(
-            chunk_slots(flat_cu_seqlens(None, B, T, x["q"].device), B * T, BT).start),
+        "chunk map (varlen.chunk_map)": lambda: chunk_map(None, B, T, BT, x["q"].device),
         "stage 2 chunk_intra (Mqk, Mkk, Qt, Kend; cumsum fused)": lambda: chunk_intra(
             f["q"], f["k"], f["g"], f["beta"], D**-0.5, slots, None, None, opts, p),
         "stage 3 chunk_solve (Tm, W, U)": lambda: chunk_solve(

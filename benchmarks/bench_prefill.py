@@ -108,14 +108,14 @@ def host_breakdown(x: dict[str, torch.Tensor]) -> list[str]:
     from kda_ops.triton.chunk_intra import chunk_intra
     from kda_ops.triton.chunk_output import chunk_output
     from kda_ops.triton.chunk_solve import chunk_solve
-    from kda_ops.varlen import chunk_slots, flat_cu_seqlens
+    from kda_ops.varlen import chunk_map
 
     B, T, H, D = x["q"].shape
     opts = Options(use_qk_l2norm=True)
     p = precision_for(torch.bfloat16)
     f = {n: t.flatten(0, 1) for n, t in x.items()}
-    cu = flat_cu_seqlens(None, B, T, x["q"].device)
-    slots = chunk_slots(cu, B * T, BT)
+    slots = chunk_map(None, B, T, BT, x["q"].device)
+    cu = slots.cu
     Mqk, Mkk, Qt, Kend, Gl = chunk_intra(f["q"], f["k"], f["g"], f["beta"], D**-0.5, slots, None, None, opts, p)
     _, W, U = chunk_solve(Mkk, f["k"], f["v"], f["g"], f["beta"], slots, None, None, opts, p, store_tm=False)
     final = torch.empty(B, H, D, D, device=x["q"].device)
@@ -128,8 +128,7 @@ def host_breakdown(x: dict[str, torch.Tensor]) -> list[str]:
         "torch.ops.kda.chunk (op, no argument checks)": lambda: torch.ops.kda.chunk(*op_args),
         "KERNELS['chunk'] (the Triton driver)": lambda: KERNELS["chunk"](
             x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, None, None, None, None, opts, True),
-        "slot map (flat_cu_seqlens, chunk_slots, chunk_offsets)": lambda: ts.chunk_offsets(
-            chunk_slots(flat_cu_seqlens(None, B, T, x["q"].device), B * T, BT).start),
+        "chunk map (varlen.chunk_map)": lambda: chunk_map(None, B, T, BT, x["q"].device),
         "chunk_intra (two passes)": lambda: chunk_intra(
             f["q"], f["k"], f["g"], f["beta"], D**-0.5, slots, None, None, opts, p),
         "chunk_solve": lambda: chunk_solve(

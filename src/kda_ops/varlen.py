@@ -10,6 +10,7 @@ Only ``T``, ``N`` and ``C`` shape the result, so one compiled graph or captured 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -65,3 +66,61 @@ def chunk_slots(cu_seqlens: Tensor, T: int, C: int) -> ChunkSlots:
     first = valid & (j == 0)
     last = valid & (j == nchunks[seq] - 1)
     return ChunkSlots(seq=seq, start=start, count=count, first=first, last=last)
+
+
+class SlotRows(Protocol):
+    """What a chunk kernel reads of a chunk map: slot ``c`` covers tokens ``start[c] .. start[c] + count[c]``."""
+
+    @property
+    def start(self) -> Tensor: ...
+
+    @property
+    def count(self) -> Tensor: ...
+
+
+@dataclass(frozen=True)
+class ChunkMap:
+    """The chunk map of the Triton kernels, in as few device ops as possible (each is a launch on the call path).
+
+    ``cu [N + 1]``: the sanitized flat ``cu_seqlens``; ``start, count [NC]`` as in :class:`ChunkSlots` (``start`` is
+    arbitrary where ``count`` is 0); ``offset [N]``: the first slot of each sequence. All int64.
+    """
+
+    cu: Tensor
+    start: Tensor
+    count: Tensor
+    offset: Tensor
+
+
+def chunk_map(cu_seqlens: Tensor | None, B: int, T: int, C: int, device: torch.device) -> ChunkMap:
+    """The :class:`ChunkMap` of a batch ``[B, T]`` (``cu_seqlens`` None) or of ``cu_seqlens`` over ``B * T`` tokens.
+
+    Equal to :func:`flat_cu_seqlens`, :func:`chunk_slots` and the sequences' first slots (tests/test_varlen.py),
+    in 11 device ops for a dense batch and 19 with ``cu_seqlens``, against about 45.
+    """
+    total = B * T
+    if cu_seqlens is None and total > 0:
+        nch = (T + C - 1) // C
+        NC = num_chunk_slots(total, B, C)
+        cC = torch.arange(0, NC * C, C, device=device, dtype=torch.int64)  # c * C
+        seq = torch.div(cC, nch * C, rounding_mode="floor").clamp_(max=B - 1)
+        # start = seq * T + j * C with j = c - seq * nch: the chunk's index inside its sequence
+        start = seq * (T - nch * C) + cC
+        count = (seq * (nch * C) - cC + T).clamp_(0, C)
+        cu = torch.arange(0, (B + 1) * T, T, device=device, dtype=torch.int64)
+        offset = torch.arange(0, B * nch, nch, device=device, dtype=torch.int64)
+        return ChunkMap(cu, start, count, offset)
+    cu = flat_cu_seqlens(cu_seqlens, B, T, device)
+    N = cu.shape[0] - 1
+    NC = num_chunk_slots(total, N, C)
+    if N == 0:
+        zeros = torch.zeros(NC, device=device, dtype=torch.int64)
+        return ChunkMap(cu, zeros, zeros, cu[:0])
+    chunks = torch.div(cu[1:] - cu[:-1] + (C - 1), C, rounding_mode="floor")  # per sequence
+    ends = chunks.cumsum(0)
+    offset = ends - chunks
+    c = torch.arange(NC, device=device, dtype=torch.int64)
+    seq = torch.searchsorted(ends, c, right=True).clamp_(max=N - 1)
+    start = c.sub_(offset[seq]).mul_(C).add_(cu[seq])
+    count = (cu[1:][seq] - start).clamp_(0, C)
+    return ChunkMap(cu, start, count, offset)

@@ -30,7 +30,7 @@ from kda_ops.triton.chunk_prepare import chunk_prepare
 from kda_ops.triton.chunk_solve import chunk_solve
 from kda_ops.triton.chunk_state import chunk_state
 from kda_ops.triton.debug import poison
-from kda_ops.varlen import chunk_slots, flat_cu_seqlens
+from kda_ops.varlen import chunk_map
 
 # The scan with the outputs fused in (no per-chunk states through memory) faults on the H200 with triton 3.6
 # (illegal address in the scan's dot, 2026-11-29, tests/gpu/test_chunk_gpu.py); until that is understood the
@@ -80,8 +80,8 @@ def chunk_fwd(
     if B * T == 0:
         return o, _no_tokens(final, h0, output_final_state)
     p = precision or precision_for(v.dtype)
-    cu = flat_cu_seqlens(cu_seqlens, B, T, v.device)
-    slots = chunk_slots(cu, B * T, BT)
+    slots = chunk_map(cu_seqlens, B, T, BT, v.device)
+    cu = slots.cu
     poison(o, final)
     # stages 1-3, fused per chunk: Gam; Mqk, Mkk, Qt, Kend; Tm = (I + Mkk)^-1, W = Tm beta Kt, U = Tm beta V
     Mqk, W, U, Qt, Kend, Gl = chunk_prepare(
@@ -90,10 +90,11 @@ def chunk_fwd(
     if FUSE_SCAN_OUTPUT:
         # stages 4-5, fused: E = U - W S;  O = Qt S + Mqk E;  S' = exp(Gam_last) S + Kend^T E
         chunk_state(W, U, Kend, Gl, h0, cu, p, final=final if output_final_state else None,
-                    outputs=(Qt, Mqk, o.view(B * T, *o.shape[2:])))  # fmt: skip
+                    outputs=(Qt, Mqk, o.view(B * T, *o.shape[2:])), offsets=slots.offset)  # fmt: skip
         return o, final
     # stage 4: E = U - W S;  S' = exp(Gam_last) S + Kend^T E, keeping the state entering each chunk
-    Hin, E = chunk_state(W, U, Kend, Gl, h0, cu, p, final=final if output_final_state else None, store_states=True)
+    Hin, E = chunk_state(W, U, Kend, Gl, h0, cu, p, final=final if output_final_state else None, store_states=True,
+                         offsets=slots.offset)  # fmt: skip
     assert Hin is not None and E is not None
     # stage 5: O = Qt S + Mqk E, parallel over chunks
     o.view(B * T, *o.shape[2:]).copy_(chunk_output(Qt, Mqk, Hin, E, slots, p, o.dtype))
@@ -123,14 +124,15 @@ def chunk_fwd_staged(
     if B * T == 0:
         return o, _no_tokens(final, h0, output_final_state)
     p = precision or precision_for(v.dtype)
-    cu = flat_cu_seqlens(cu_seqlens, B, T, v.device)
-    slots = chunk_slots(cu, B * T, BT)
+    slots = chunk_map(cu_seqlens, B, T, BT, v.device)
+    cu = slots.cu
     qf, kf, vf, gf, bf = (_flat(x) for x in (q, k, v, g, beta))
     A_log, dt_bias = _opt(A_log), _opt(dt_bias)
     Mqk, Mkk, Qt, Kend, Gl = chunk_intra(qf, kf, gf, bf, scale, slots, A_log, dt_bias, opts, p)
     _, W, U = chunk_solve(Mkk, kf, vf, gf, bf, slots, A_log, dt_bias, opts, p, store_tm=False)
     poison(final)
-    Hin, E = chunk_state(W, U, Kend, Gl, h0, cu, p, final=final if output_final_state else None, store_states=True)
+    Hin, E = chunk_state(W, U, Kend, Gl, h0, cu, p, final=final if output_final_state else None, store_states=True,
+                         offsets=slots.offset)  # fmt: skip
     assert Hin is not None and E is not None
     o.view(B * T, *o.shape[2:]).copy_(chunk_output(Qt, Mqk, Hin, E, slots, p, o.dtype))
     return o, final

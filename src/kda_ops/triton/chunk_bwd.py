@@ -11,7 +11,7 @@ Per value head, chunks of ``BT = 64`` tokens, the forward's notation (:mod:`kda_
     dq, dk summed over each group of value heads; chain rules of the options          (chunk_bwd_gates)
 
 Nothing reads a value on the host and every allocation is shaped by ``T``, ``N`` and the head sizes: the chunk-slot
-map (:func:`kda_ops.varlen.chunk_slots`) is static, the scan reads ``cu_seqlens`` on the device.
+map (:func:`kda_ops.varlen.chunk_map`) is static, the scan reads ``cu_seqlens`` on the device.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kda_ops.triton.chunk_bwd_gates import prepare, prepare_bwd
 from kda_ops.triton.chunk_bwd_recompute import chunk_bwd_recompute, recompute_precision
 from kda_ops.triton.chunk_bwd_scan import chunk_bwd_scan
 from kda_ops.triton.chunk_common import BT, contiguous, interpreting
-from kda_ops.varlen import chunk_slots, flat_cu_seqlens
+from kda_ops.varlen import chunk_map, flat_cu_seqlens
 
 
 def product_precisions(dtype: torch.dtype) -> tuple[str, str]:
@@ -71,21 +71,21 @@ def chunk_bwd(
         dht = None
     qf, kf, vf, gf, bf = (contiguous(x).flatten(0, 1) for x in (q, k, v, g, beta))
     qp, kp, gp, bp = prepare(qf, kf, gf, bf, A_log, dt_bias, opts, dt)
-    cu = flat_cu_seqlens(cu_seqlens, B, T, v.device)
-    N = cu.shape[0] - 1
     dO = contiguous(do).flatten(0, 1)
     if B * T == 0:
+        N = flat_cu_seqlens(cu_seqlens, B, T, v.device).shape[0] - 1
         zq, zk, zg, zb = (torch.zeros_like(x, dtype=dt) for x in (qf, kf, gf, bf))
         dv_t = torch.zeros_like(vf, dtype=dt)
         dh0: Tensor = torch.zeros(N, HV, K, V, dtype=dt, device=v.device) if dht is None else dht.to(dt)
     else:
-        slots = chunk_slots(cu, B * T, BT)
+        slots = chunk_map(cu_seqlens, B, T, BT, v.device)
+        cu = slots.cu
         h0 = None if initial_state is None else contiguous(initial_state.to(dt))
         prec, prec_t = product_precisions(v.dtype)
-        fw = chunk_bwd_recompute(qp, kp, vf, gp, bp, scale, h0, cu, slots, recompute_precision(v.dtype))
+        fw = chunk_bwd_recompute(qp, kp, vf, gp, bp, scale, h0, cu, slots, recompute_precision(v.dtype), slots.offset)
         dht_c = None if dht is None else dht.to(dt)
         dE, dSp, dh0_ = chunk_bwd_scan(
-            dO, fw.Mqk, fw.Qt, fw.Kend, fw.W, fw.Gl, dht_c, cu, prec, initial_state is not None
+            dO, fw.Mqk, fw.Qt, fw.Kend, fw.W, fw.Gl, dht_c, cu, prec, initial_state is not None, slots.offset
         )
         dv_t, dbeta_p, dMqk, dMkk, dKt, Gam = chunk_bwd_dv(kp, vf, gp, bp, fw.Tm, fw.Hin, fw.E, dE, dO, slots, prec,
                                                           prec_t)  # fmt: skip

@@ -42,7 +42,7 @@ from kda_ops.triton.chunk_common import (
     store2,
 )
 from kda_ops.triton.debug import poison
-from kda_ops.varlen import ChunkSlots
+from kda_ops.varlen import SlotRows
 
 
 @triton.jit
@@ -177,7 +177,7 @@ def chunk_bwd_dqk(
     dO: Tensor,
     dbeta_partial: Tensor,
     scale: float,
-    slots: ChunkSlots,
+    slots: SlotRows,
     prec: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dg [T, HV, K], dbeta [T, HV])`` per value head, in the compute dtype of ``Hin``.

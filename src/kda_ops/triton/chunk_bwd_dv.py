@@ -23,7 +23,7 @@ from torch import Tensor
 
 from kda_ops.triton.chunk_common import BT, col_mask, compute_dtype, contiguous, load2, mm, pow2, slot_rows, store2
 from kda_ops.triton.debug import poison
-from kda_ops.varlen import ChunkSlots
+from kda_ops.varlen import SlotRows
 
 
 @triton.jit
@@ -96,7 +96,7 @@ def chunk_bwd_dv(
     E: Tensor,
     dE: Tensor,
     dO: Tensor,
-    slots: ChunkSlots,
+    slots: SlotRows,
     prec: str,
     prec_t: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:

@@ -23,7 +23,7 @@ from kda_ops.triton.chunk_common import Precision
 from kda_ops.triton.chunk_intra import chunk_intra
 from kda_ops.triton.chunk_solve import chunk_solve
 from kda_ops.triton.chunk_state import chunk_state
-from kda_ops.varlen import ChunkSlots
+from kda_ops.varlen import SlotRows
 
 _NO_OPTIONS = Options()
 
@@ -61,14 +61,15 @@ def chunk_bwd_recompute(
     scale: float,
     h0: Tensor | None,
     cu: Tensor,
-    slots: ChunkSlots,
+    slots: SlotRows,
     precision: Precision,
+    offsets: Tensor | None = None,
 ) -> Recomputed:
     """Prepared ``q, k [T, H, K]``, ``v [T, HV, V]``, log decay ``g [T, HV, K]``, ``beta [T, HV]``; ``h0`` in the
     compute dtype or None; ``cu`` the sanitized flat ``cu_seqlens`` and ``slots`` its chunk map."""
     Mqk, Mkk, Qt, Kend, Gl = chunk_intra(q, k, g, beta, scale, slots, None, None, _NO_OPTIONS, precision)
     Tm, W, U = chunk_solve(Mkk, k, v, g, beta, slots, None, None, _NO_OPTIONS, precision)
-    Hin, E = chunk_state(W, U, Kend, Gl, h0, cu, precision, store_states=True)
+    Hin, E = chunk_state(W, U, Kend, Gl, h0, cu, precision, store_states=True, offsets=offsets)
     assert Hin is not None and E is not None
     return Recomputed(Mqk, Qt, Kend, Gl, Tm, W, Hin, E)
 

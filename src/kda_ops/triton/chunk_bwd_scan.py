@@ -79,11 +79,13 @@ def chunk_bwd_scan(
     cu: Tensor,
     prec: str,
     store_dh0: bool = True,
+    offsets: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(dE [T, HV, V], dS' [NC, HV, K, V], dh0 [N, HV, K, V] or None)`` in the compute dtype of ``Gl``.
 
     ``dO [T, HV, V]`` (any float dtype), ``Mqk [T, HV, BT]``, ``Qt, Kend, W [T, HV, K]``, ``Gl [NC, HV, K]`` as from
-    the forward's stages; ``dht [N, HV, K, V]`` (None: zero); ``cu`` sanitized flat ``cu_seqlens`` (int64).
+    the forward's stages; ``dht [N, HV, K, V]`` (None: zero); ``cu`` sanitized flat ``cu_seqlens`` (int64);
+    ``offsets`` each sequence's first chunk slot (computed from ``cu`` when not given).
     """
     T, HV, K = W.shape
     V = dO.shape[2]
@@ -95,9 +97,10 @@ def chunk_bwd_scan(
     dh0 = dO.new_empty(N, HV, K, V, dtype=dt) if store_dh0 else None
     poison(dE, dSp, dh0)
     BV = scan_block_v(V, N * HV, dO.device)
+    offsets = chunk_offsets(cu) if offsets is None else offsets
     chunk_bwd_scan_kernel[(triton.cdiv(V, BV), N * HV)](
         contiguous(dO), contiguous(Mqk), contiguous(Qt), contiguous(Kend), contiguous(W), Gl,
-        None if dht is None else contiguous(dht), dSp, dE, dh0, cu, chunk_offsets(cu), HV,
+        None if dht is None else contiguous(dht), dSp, dE, dh0, cu, offsets, HV,
         K=K, V=V, BK=pow2(K), BV=BV, BT=BT, USE_DHT=dht is not None, STORE_DH0=store_dh0, PREC=prec,
         DT=compute_dtype(Gl), num_stages=1,
     )  # fmt: skip

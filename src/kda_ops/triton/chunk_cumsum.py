@@ -31,7 +31,7 @@ from torch import Tensor
 from kda_ops.common import Options
 from kda_ops.triton.chunk_common import BT, col_mask, compute_dtype, contiguous, launch, pow2, slot_rows, store2
 from kda_ops.triton.debug import poison
-from kda_ops.varlen import ChunkSlots
+from kda_ops.varlen import SlotRows
 
 
 @triton.jit
@@ -119,7 +119,7 @@ def gate_flags(opts: Options, A_log: Tensor | None, dt_bias: Tensor | None) -> d
 
 
 def chunk_local_cumsum(
-    g: Tensor, slots: ChunkSlots, A_log: Tensor | None, dt_bias: Tensor | None, opts: Options
+    g: Tensor, slots: SlotRows, A_log: Tensor | None, dt_bias: Tensor | None, opts: Options
 ) -> tuple[Tensor, Tensor]:
     """``Gam [T, HV, K]`` (chunk-local cumulative log decay, after the gate) and ``Gam_last [NC, HV, K]``.
 

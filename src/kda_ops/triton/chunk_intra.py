@@ -52,7 +52,7 @@ from kda_ops.triton.chunk_common import (
 )
 from kda_ops.triton.chunk_cumsum import block_decays, chunk_decays, gate_flags, load_log_decay
 from kda_ops.triton.debug import poison
-from kda_ops.varlen import ChunkSlots
+from kda_ops.varlen import SlotRows
 
 
 @triton.jit
@@ -228,7 +228,7 @@ def chunk_intra(
     g: Tensor,
     beta: Tensor,
     scale: float,
-    slots: ChunkSlots,
+    slots: SlotRows,
     A_log: Tensor | None,
     dt_bias: Tensor | None,
     opts: Options,

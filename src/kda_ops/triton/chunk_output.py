@@ -27,7 +27,7 @@ from kda_ops.triton.chunk_common import (
     tile2,
 )
 from kda_ops.triton.debug import poison
-from kda_ops.varlen import ChunkSlots
+from kda_ops.varlen import SlotRows
 
 
 @triton.jit
@@ -62,7 +62,7 @@ def chunk_output_kernel(
 
 
 def chunk_output(
-    Qt: Tensor, Mqk: Tensor, Hin: Tensor, E: Tensor, slots: ChunkSlots, precision: Precision, out_dtype: torch.dtype
+    Qt: Tensor, Mqk: Tensor, Hin: Tensor, E: Tensor, slots: SlotRows, precision: Precision, out_dtype: torch.dtype
 ) -> Tensor:
     """``o [T, HV, V]`` in ``out_dtype``: ``Qt [T, HV, K]``, ``Mqk [T, HV, BT]``, ``Hin [NC, HV, K, V]`` (the state
     entering each slot), ``E [T, HV, V]`` (the resolved errors)."""

@@ -49,7 +49,7 @@ from kda_ops.triton.chunk_cumsum import gate_flags
 from kda_ops.triton.chunk_intra import intra_anchored, intra_blocks, intra_masks, key_tile, qk_norms
 from kda_ops.triton.chunk_solve import solve_unit_lower, wy_pass
 from kda_ops.triton.debug import poison
-from kda_ops.varlen import ChunkSlots
+from kda_ops.varlen import SlotRows
 
 # Candidates from offline sm_90 builds (ptxas, K = V = 128, bf16): BK = 64 with 8 warps and BK = 32 with 4 warps
 # (3xTF32 solve merges) compile without spills; 4 warps take ~1.5x fewer instructions per chunk (row scans cost
@@ -161,7 +161,7 @@ def chunk_prepare(
     g: Tensor,
     beta: Tensor,
     scale: float,
-    slots: ChunkSlots,
+    slots: SlotRows,
     A_log: Tensor | None,
     dt_bias: Tensor | None,
     opts: Options,

@@ -34,7 +34,7 @@ from kda_ops.triton.chunk_common import (
 )
 from kda_ops.triton.chunk_cumsum import gate_flags, load_log_decay
 from kda_ops.triton.debug import poison
-from kda_ops.varlen import ChunkSlots
+from kda_ops.varlen import SlotRows
 
 
 @triton.jit
@@ -124,7 +124,7 @@ def chunk_solve(
     v: Tensor,
     g: Tensor,
     beta: Tensor,
-    slots: ChunkSlots,
+    slots: SlotRows,
     A_log: Tensor | None,
     dt_bias: Tensor | None,
     opts: Options,

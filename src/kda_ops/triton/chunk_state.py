@@ -160,12 +160,14 @@ def chunk_state(
     final: Tensor | None = None,
     outputs: tuple[Tensor, Tensor, Tensor] | None = None,
     store_states: bool = False,
+    offsets: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
     """Run the scan over the chunks of every sequence of ``cu`` (sanitized, int64, over the flat token stream).
 
     ``W, Kend [T, HV, K]``, ``U [T, HV, V]``, ``Gl [NC, HV, K]`` (per chunk slot), ``h0 [N, HV, K, V]`` or None.
     Writes ``final [N, HV, K, V]`` if given, and with ``outputs = (Qt, Mqk, o)`` the outputs into ``o [T, HV, V]``.
     Returns ``(Hin [NC, HV, K, V], E [T, HV, V])`` in the compute dtype with ``store_states``, else ``(None, None)``.
+    ``offsets``: each sequence's first chunk slot (:func:`chunk_offsets` of ``cu`` when not given).
     """
     T, HV, K = W.shape
     V = U.shape[2]
@@ -179,8 +181,9 @@ def chunk_state(
         poison(Hin, E)
     Qt, Mqk, o = outputs if outputs is not None else (None, None, None)
     BV = scan_block_v(V, N * HV, W.device)
+    offsets = chunk_offsets(cu) if offsets is None else offsets
     chunk_state_kernel[(N * HV * triton.cdiv(V, BV),)](
-        contiguous(W), contiguous(U), contiguous(Kend), Gl, h0, final, Qt, Mqk, o, Hin, E, cu, chunk_offsets(cu), HV,
+        contiguous(W), contiguous(U), contiguous(Kend), Gl, h0, final, Qt, Mqk, o, Hin, E, cu, offsets, HV,
         K=K, V=V, BK=pow2(K), BV=BV, BT=BT, USE_H0=h0 is not None, STORE_FINAL=final is not None,
         FUSE_OUTPUT=outputs is not None, STORE_STATES=store_states, PREC_SCAN=precision.scan,
         PREC_OUT=precision.output, DT=compute_dtype(Gl), **launch("scan"),
