@@ -97,7 +97,7 @@ def chunk_fwd(
                          offsets=slots.offset)  # fmt: skip
     assert Hin is not None and E is not None
     # stage 5: O = Qt S + Mqk E, parallel over chunks
-    o.view(B * T, *o.shape[2:]).copy_(chunk_output(Qt, Mqk, Hin, E, slots, p, o.dtype))
+    chunk_output(Qt, Mqk, Hin, E, slots, p, o.dtype, out=o.view(B * T, *o.shape[2:]))
     return o, final
 
 
@@ -134,7 +134,7 @@ def chunk_fwd_staged(
     Hin, E = chunk_state(W, U, Kend, Gl, h0, cu, p, final=final if output_final_state else None, store_states=True,
                          offsets=slots.offset)  # fmt: skip
     assert Hin is not None and E is not None
-    o.view(B * T, *o.shape[2:]).copy_(chunk_output(Qt, Mqk, Hin, E, slots, p, o.dtype))
+    chunk_output(Qt, Mqk, Hin, E, slots, p, o.dtype, out=o.view(B * T, *o.shape[2:]))
     return o, final
 
 

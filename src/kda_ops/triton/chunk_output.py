@@ -62,14 +62,23 @@ def chunk_output_kernel(
 
 
 def chunk_output(
-    Qt: Tensor, Mqk: Tensor, Hin: Tensor, E: Tensor, slots: SlotRows, precision: Precision, out_dtype: torch.dtype
+    Qt: Tensor,
+    Mqk: Tensor,
+    Hin: Tensor,
+    E: Tensor,
+    slots: SlotRows,
+    precision: Precision,
+    out_dtype: torch.dtype,
+    out: Tensor | None = None,
 ) -> Tensor:
     """``o [T, HV, V]`` in ``out_dtype``: ``Qt [T, HV, K]``, ``Mqk [T, HV, BT]``, ``Hin [NC, HV, K, V]`` (the state
-    entering each slot), ``E [T, HV, V]`` (the resolved errors)."""
+    entering each slot), ``E [T, HV, V]`` (the resolved errors). ``out``: a contiguous ``[T, HV, V]`` tensor of
+    ``out_dtype`` to write into (the op's output, saving a copy), else a new one."""
     T, HV, K = Qt.shape
     V = E.shape[2]
     NC = slots.start.shape[0]
-    o = E.new_empty(T, HV, V, dtype=out_dtype)
+    o = E.new_empty(T, HV, V, dtype=out_dtype) if out is None else out
+    assert o.shape == (T, HV, V) and o.dtype == out_dtype and o.is_contiguous(), "chunk_output: bad out"
     poison(o)
     cfg = launch("output", BV=V)
     chunk_output_kernel[(NC, triton.cdiv(V, cfg["BV"]), HV)](
