@@ -8,14 +8,16 @@ Per value head, chunks of ``BT = 64`` tokens, incoming state ``S [K, V]`` (``bac
     E  = U - W S,  S' = diag(exp(Gam_last)) S + Kend^T E    the scan over chunks                 (chunk_state)
     O  = Qt S + Mqk E                                                                            (chunk_output)
 
-:func:`chunk_fwd` (the kernel of ``torch.ops.kda.chunk``) runs two kernels: stages 1-3 fused per chunk
-(:mod:`~kda_ops.triton.chunk_prepare`), then the scan with the outputs fused in. :func:`chunk_fwd_staged` runs
-the five stages one by one, each through memory: the same math, readable, and a cross-check.
+:func:`chunk_fwd` is the kernel of ``torch.ops.kda.chunk``. Today it runs :func:`chunk_fwd_staged`: the stages
+one by one, each through memory (intra with its block pass, solve, scan, output). The fused variant, stages 1-3
+in one kernel (:mod:`~kda_ops.triton.chunk_prepare`) and then the scan with the outputs fused in, is switched off
+by the flags below until it passes the GPU suite.
 
 Variable length: the flat token stream (a dense batch ``[B, T]`` is ``B`` sequences of ``T``) is split into a
 static ``cdiv(B*T, BT) + N`` chunk slots built on the device from ``cu_seqlens``; nothing reads a value on the
 host and nothing is allocated by value, so one compiled graph and one captured CUDA graph serve every
-``cu_seqlens`` with the same ``T`` and ``N``. Call :func:`kda_ops.warmup` before a capture: it autotunes.
+``cu_seqlens`` with the same ``T`` and ``N``. Call :func:`kda_ops.warmup` before a capture: it compiles every
+kernel variant a call can pick.
 """
 
 from __future__ import annotations
