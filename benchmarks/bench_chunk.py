@@ -34,10 +34,7 @@ import argparse
 import datetime
 import glob
 import json
-import os
 import sys
-import tempfile
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -49,6 +46,9 @@ from triton.testing import do_bench
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import _bench  # noqa: E402
 
 import kda_ops  # noqa: E402
 from kda_ops import reference  # noqa: E402
@@ -65,30 +65,7 @@ SWEEP_TOKENS, SWEEP_H = 32768, 32
 
 def load_fla(wheels: list[str]) -> tuple[Callable[..., Any] | None, str]:
     """fla's ``chunk_kda`` and where it came from (or why it is missing)."""
-    try:
-        import fla
-        from fla.ops.kda import chunk_kda
-
-        return chunk_kda, f"fla {getattr(fla, '__version__', '?')} (installed)"
-    except Exception as e:  # noqa: BLE001 - any import failure means "not in this environment"
-        reason = f"{type(e).__name__}: {e}"
-    if not wheels:
-        return None, f"fla not importable ({reason}) and no wheels given"
-    site = tempfile.mkdtemp(prefix="bench-wheels-")
-    for w in wheels:
-        with zipfile.ZipFile(w) as z:
-            z.extractall(site)
-    sys.path.insert(0, site)
-    for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
-        del sys.modules[name]
-    try:
-        import fla
-        from fla.ops.kda import chunk_kda
-
-        names = ", ".join(os.path.basename(w) for w in wheels)
-        return chunk_kda, f"fla {getattr(fla, '__version__', '?')} (from {names})"
-    except Exception as e:  # noqa: BLE001
-        return None, f"fla not importable: {type(e).__name__}: {e}"
+    return _bench.load_fla(wheels, "chunk_kda")
 
 
 def inputs(B: int, T: int, H: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -267,37 +244,45 @@ def bv_sweep() -> list[str]:
     return lines
 
 
-def breakdown(B: int, T: int, H: int) -> list[str]:
-    """Where the time goes at one shape: the public call, and each stage launcher of the pipeline alone."""
+def stage_calls(x: dict[str, torch.Tensor]) -> dict[str, Callable[[], Any]]:
+    """Each part of our forward on ``x`` alone, by name: the chunk map and the stage launchers, each on the
+    factors of the stages before it (computed once here)."""
     from kda_ops.triton import chunk_state as ts
-    from kda_ops.triton.chunk_common import BT, LAUNCH, precision_for
+    from kda_ops.triton.chunk_common import BT, precision_for
     from kda_ops.triton.chunk_intra import chunk_intra
     from kda_ops.triton.chunk_output import chunk_output
     from kda_ops.triton.chunk_solve import chunk_solve
     from kda_ops.varlen import chunk_map
 
-    x = inputs(B, T, H)
+    B, T, H, _ = x["q"].shape
     opts = Options(use_qk_l2norm=True)
     p = precision_for(torch.bfloat16)
     f = {n: t.flatten(0, 1) for n, t in x.items()}
     slots = chunk_map(None, B, T, BT, x["q"].device)
-    cu = slots.cu
     Mqk, Mkk, Qt, Kend, Gl = chunk_intra(f["q"], f["k"], f["g"], f["beta"], D**-0.5, slots, None, None, opts, p)
     _, W, U = chunk_solve(Mkk, f["k"], f["v"], f["g"], f["beta"], slots, None, None, opts, p, store_tm=False)
-    final = torch.empty(B, H, D, D, device=DEV)
-    Hin, E = ts.chunk_state(W, U, Kend, Gl, None, cu, p, final=final, store_states=True)
+    final = torch.empty(B, H, D, D, device=x["q"].device)
+    Hin, E = ts.chunk_state(W, U, Kend, Gl, None, slots.cu, p, final=final, store_states=True, offsets=slots.offset)
     assert Hin is not None and E is not None
-    rows = {
-        "chunk_kda (public function)": lambda: call_ours(x),
+    return {
         "chunk map (varlen.chunk_map)": lambda: chunk_map(None, B, T, BT, x["q"].device),
-        "stage 2 chunk_intra (Mqk, Mkk, Qt, Kend; cumsum fused)": lambda: chunk_intra(
+        "stage 2 chunk_intra (Mqk, Mkk, Qt, Kend; cumsum fused; two passes)": lambda: chunk_intra(
             f["q"], f["k"], f["g"], f["beta"], D**-0.5, slots, None, None, opts, p),
-        "stage 3 chunk_solve (Tm, W, U)": lambda: chunk_solve(
+        "stage 3 chunk_solve (W, U)": lambda: chunk_solve(
             Mkk, f["k"], f["v"], f["g"], f["beta"], slots, None, None, opts, p, store_tm=False),
         "stage 4 chunk_state (the scan, states kept)": lambda: ts.chunk_state(
-            W, U, Kend, Gl, None, cu, p, final=final, store_states=True),
+            W, U, Kend, Gl, None, slots.cu, p, final=final, store_states=True, offsets=slots.offset),
         "stage 5 chunk_output": lambda: chunk_output(Qt, Mqk, Hin, E, slots, p, torch.bfloat16),
     }  # fmt: skip
+
+
+def breakdown(B: int, T: int, H: int) -> list[str]:
+    """Where the time goes at one shape: the public call, and each part of it alone (GPU ms)."""
+    from kda_ops.triton import chunk_state as ts
+    from kda_ops.triton.chunk_common import LAUNCH
+
+    x = inputs(B, T, H)
+    rows = {"chunk_kda (public function)": lambda: call_ours(x), **stage_calls(x)}
     lines = [f"| B{B} T{T} H{H}: part | ms |", "|---|---|"]
     for name, fn in rows.items():
         lines.append(f"| {name} | {gpu_ms(fn):.3f} |")

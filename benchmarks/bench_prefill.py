@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent / "src"))
 
+import _bench  # noqa: E402
 import bench_chunk as bc  # noqa: E402
 
 import kda_ops  # noqa: E402
@@ -87,59 +88,25 @@ def measure(name: str, fn: Callable[[], Any]) -> dict[str, Any]:
     return row
 
 
-def host_us(fn: Callable[[], Any], iters: int = 300) -> float:
-    """Host µs per call of back-to-back calls, synchronised at the ends only."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e6
-
-
 def host_breakdown(x: dict[str, torch.Tensor]) -> list[str]:
-    """Host µs of each layer of our eager call."""
+    """Host µs of each layer of our eager call, and of each part of it alone."""
     from kda_ops.common import Options
     from kda_ops.triton import KERNELS
-    from kda_ops.triton import chunk_state as ts
-    from kda_ops.triton.chunk_common import BT, precision_for
-    from kda_ops.triton.chunk_intra import chunk_intra
-    from kda_ops.triton.chunk_output import chunk_output
-    from kda_ops.triton.chunk_solve import chunk_solve
-    from kda_ops.varlen import chunk_map
 
-    B, T, H, D = x["q"].shape
-    opts = Options(use_qk_l2norm=True)
-    p = precision_for(torch.bfloat16)
-    f = {n: t.flatten(0, 1) for n, t in x.items()}
-    slots = chunk_map(None, B, T, BT, x["q"].device)
-    cu = slots.cu
-    Mqk, Mkk, Qt, Kend, Gl = chunk_intra(f["q"], f["k"], f["g"], f["beta"], D**-0.5, slots, None, None, opts, p)
-    _, W, U = chunk_solve(Mkk, f["k"], f["v"], f["g"], f["beta"], slots, None, None, opts, p, store_tm=False)
-    final = torch.empty(B, H, D, D, device=x["q"].device)
-    Hin, E = ts.chunk_state(W, U, Kend, Gl, None, cu, p, final=final, store_states=True)
-    assert Hin is not None and E is not None
+    D = x["q"].shape[-1]
     op_args = (x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, None, None, None, None, None, True,
                True, False, False, False)  # fmt: skip
     parts = {
         "kda_ops.chunk_kda (public function)": lambda: bc.call_ours(x),
         "torch.ops.kda.chunk (op, no argument checks)": lambda: torch.ops.kda.chunk(*op_args),
         "KERNELS['chunk'] (the Triton driver)": lambda: KERNELS["chunk"](
-            x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, None, None, None, None, opts, True),
-        "chunk map (varlen.chunk_map)": lambda: chunk_map(None, B, T, BT, x["q"].device),
-        "chunk_intra (two passes)": lambda: chunk_intra(
-            f["q"], f["k"], f["g"], f["beta"], D**-0.5, slots, None, None, opts, p),
-        "chunk_solve": lambda: chunk_solve(
-            Mkk, f["k"], f["v"], f["g"], f["beta"], slots, None, None, opts, p, store_tm=False),
-        "chunk_state": lambda: ts.chunk_state(W, U, Kend, Gl, None, cu, p, final=final, store_states=True),
-        "chunk_output": lambda: chunk_output(Qt, Mqk, Hin, E, slots, p, torch.bfloat16),
+            x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, None, None, None, None, Options(True), True),
+        **bc.stage_calls(x),
     }  # fmt: skip
     lines = ["| part (ours, eager) | host µs per call |", "|---|---|"]
     with torch.no_grad():
         for name, fn in parts.items():
-            lines.append(f"| {name} | {host_us(fn):.1f} |")
+            lines.append(f"| {name} | {_bench.host_us(fn, iters=300):.1f} |")
             print("  " + lines[-1], file=sys.stderr)
     return lines
 

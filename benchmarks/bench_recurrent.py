@@ -26,11 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import glob
-import os
 import sys
-import tempfile
-import time
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,6 +37,9 @@ from triton.testing import do_bench
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import _bench  # noqa: E402
 
 import kda_ops  # noqa: E402
 from kda_ops.testing import make_inputs, make_state  # noqa: E402
@@ -53,47 +52,12 @@ DEV = "cuda"
 
 def load_fla(wheels: list[str]) -> tuple[Callable[..., Any] | None, str]:
     """``fused_recurrent_kda`` and a description of where it came from (or why it is missing)."""
-    try:
-        import fla
-        from fla.ops.kda import fused_recurrent_kda
-
-        return fused_recurrent_kda, f"fla {getattr(fla, '__version__', '?')} (installed)"
-    except Exception as e:  # noqa: BLE001 - any import failure just means "not in this environment"
-        reason = f"{type(e).__name__}: {e}"
-    if not wheels:
-        return None, f"fla not importable ({reason}) and no wheels given"
-    site = tempfile.mkdtemp(prefix="bench-wheels-")
-    for w in wheels:
-        with zipfile.ZipFile(w) as z:
-            z.extractall(site)
-    sys.path.insert(0, site)
-    for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
-        del sys.modules[name]
-    try:
-        import fla
-        from fla.ops.kda import fused_recurrent_kda
-
-        names = ", ".join(os.path.basename(w) for w in wheels)
-        return fused_recurrent_kda, f"fla {getattr(fla, '__version__', '?')} (from {names})"
-    except Exception as e:  # noqa: BLE001
-        return None, f"fla not importable: {type(e).__name__}: {e}"
+    return _bench.load_fla(wheels, "fused_recurrent_kda")
 
 
 def gpu_us(fn: Callable[[], Any]) -> float:
     """Median GPU time of ``fn`` in microseconds (do_bench flushes L2 before each repetition)."""
     return float(do_bench(fn, warmup=50, rep=300, return_mode="median")) * 1e3
-
-
-def wall_us(fn: Callable[[], Any], iters: int = 500) -> float:
-    """Host time per call of back-to-back calls, synchronised at the ends only."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e6
 
 
 def capture(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
@@ -149,7 +113,7 @@ def measure(name: str, fn: Callable[[], Any]) -> dict[str, float | str]:
     with torch.no_grad():
         fn()  # compile
         res["eager"] = gpu_us(fn)
-        res["wall"] = wall_us(fn)
+        res["wall"] = _bench.host_us(fn)
         try:
             graph = capture(fn)
             res["graph"] = gpu_us(graph.replay)
@@ -199,9 +163,9 @@ def breakdown(fla_fn: Callable[..., Any] | None) -> list[tuple[str, float]]:
                                     use_qk_l2norm_in_kernel=True)))  # fmt: skip
     out = []
     for label, fn in rows:
-        out.append((label, wall_us(fn, iters=2000)))
+        out.append((label, _bench.host_us(fn, iters=2000)))
         with torch.no_grad():
-            out.append((label + ", no_grad", wall_us(fn, iters=2000)))
+            out.append((label + ", no_grad", _bench.host_us(fn, iters=2000)))
     return out
 
 

@@ -39,6 +39,13 @@ def num_chunk_slots(T: int, N: int, C: int) -> int:
     return (T + C - 1) // C + N
 
 
+def sequence_chunks(cu_seqlens: Tensor, C: int) -> tuple[Tensor, Tensor]:
+    """Per sequence of sanitized ``cu_seqlens``: its number of chunks ``cdiv(len, C)`` and the chunk index one past
+    its last chunk (their inclusive prefix sum), ``[N]`` int64 each. The first slot is ``ends - chunks``."""
+    chunks = torch.div(cu_seqlens[1:] - cu_seqlens[:-1] + (C - 1), C, rounding_mode="floor")
+    return chunks, chunks.cumsum(0)
+
+
 @dataclass(frozen=True)
 class ChunkSlots:
     """The chunk map: for slot ``c``, sequence ``seq[c]``, first token ``start[c]``, ``count[c]`` tokens (0: empty)."""
@@ -55,8 +62,7 @@ def chunk_slots(cu_seqlens: Tensor, T: int, C: int) -> ChunkSlots:
     N = cu_seqlens.shape[0] - 1
     NC = num_chunk_slots(T, N, C)
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    nchunks = (lens + C - 1) // C
-    ends = torch.cumsum(nchunks, 0)  # [N] chunk index one past each sequence
+    nchunks, ends = sequence_chunks(cu_seqlens, C)
     c = torch.arange(NC, device=cu_seqlens.device, dtype=torch.int64)
     seq = torch.searchsorted(ends, c, right=True).clamp(max=max(N - 1, 0))
     valid = c < ends[-1] if N > 0 else torch.zeros_like(c, dtype=torch.bool)
@@ -116,8 +122,7 @@ def chunk_map(cu_seqlens: Tensor | None, B: int, T: int, C: int, device: torch.d
     if N == 0:
         zeros = torch.zeros(NC, device=device, dtype=torch.int64)
         return ChunkMap(cu, zeros, zeros, cu[:0])
-    chunks = torch.div(cu[1:] - cu[:-1] + (C - 1), C, rounding_mode="floor")  # per sequence
-    ends = chunks.cumsum(0)
+    chunks, ends = sequence_chunks(cu, C)
     offset = ends - chunks
     c = torch.arange(NC, device=device, dtype=torch.int64)
     seq = torch.searchsorted(ends, c, right=True).clamp_(max=N - 1)

@@ -41,6 +41,7 @@ from kda_ops.triton.chunk_common import (
 )
 from kda_ops.triton.chunk_output import output_tile
 from kda_ops.triton.debug import poison
+from kda_ops.varlen import sequence_chunks
 
 # None: pick BV from the machine (scan_block_v); an int forces it (benchmarks sweep it).
 BV_OVERRIDE: int | None = None
@@ -143,9 +144,9 @@ def chunk_state_kernel(
 
 
 def chunk_offsets(cu: Tensor) -> Tensor:
-    """First chunk slot of each sequence, ``[N]`` int64: the exclusive prefix sum of ``cdiv(len, BT)``."""
-    n = (cu[1:] - cu[:-1] + BT - 1) // BT
-    return torch.cumsum(n, 0) - n
+    """First chunk slot of each sequence, ``[N]`` int64 (``chunk_map(...).offset`` when the map is at hand)."""
+    chunks, ends = sequence_chunks(cu, BT)
+    return ends - chunks
 
 
 def chunk_state(
