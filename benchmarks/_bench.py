@@ -54,3 +54,26 @@ def host_us(fn: Callable[[], Any], iters: int = 500) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / iters * 1e6
+
+
+def cold_us(fn: Callable[[], Any], reps: int = 200, flush_bytes: int = 2**28) -> float:
+    """Median GPU µs of ``fn`` with the L2 cache evicted before each repetition by *reading* a buffer larger than it.
+
+    ``triton.testing.do_bench`` evicts by writing (zeroing) a 256 MB buffer: the L2 is then full of dirty lines,
+    and the timed kernel pays for writing them back, a tax of up to the L2's size (50 MB on an H200) in extra DRAM
+    writes, ~20 % of a decode step at B = 64. A read leaves clean lines, which are evicted for free.
+    """
+    buf = torch.ones(flush_bytes // 4, dtype=torch.float32, device="cuda")
+    sink = torch.empty((), device="cuda")
+    for _ in range(5):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        torch.sum(buf, dim=0, out=sink)
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+    return times[len(times) // 2] * 1e3

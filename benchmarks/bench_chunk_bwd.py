@@ -90,12 +90,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--wheels", nargs="*", default=sorted(glob.glob(str(ROOT / ".whl" / "*.whl"))))
+    ap.add_argument("--shapes", type=int, default=len(SHAPES), help="time only the first N shapes")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     fla_fn, fla_src = load_fla(args.wheels)
     rows: list[dict[str, Any]] = []
-    for B, T, H in SHAPES:
+    for B, T, H in SHAPES[: args.shapes]:
+        print(f"timing B{B} T{T} H{H}", file=sys.stderr, flush=True)
         x = inputs(B, T, H)
         gen = torch.Generator(device=DEV).manual_seed(9)
         do = torch.randn(x["v"].shape, generator=gen, device=DEV).bfloat16()
@@ -105,6 +107,7 @@ def main() -> None:
         r["fla_ms"], r["fla_gb"] = timed(fwd_bwd(fla_fn, x, do, dht)) if fla_fn else (None, None)
         r["sdpa_ms"], r["sdpa_gb"] = timed(sdpa_run(x, do))
         rows.append(r)
+        print(f"  {r}", file=sys.stderr, flush=True)
         del x, do, dht
         torch.cuda.empty_cache()
     # accuracy at T = 1000 against the float64 analytic backward

@@ -32,7 +32,7 @@ def _check_float(name: str, x: Tensor) -> None:
 
 
 def _check_shape(name: str, x: Tensor, shape: tuple[int, ...], text: str) -> None:
-    if tuple(x.shape) != shape:
+    if x.shape != shape:
         _fail(ValueError, name, f"shape {text} = {list(shape)}", list(x.shape))
 
 
@@ -70,7 +70,8 @@ def _validate(
         _fail(TypeError, "k", f"q, k and v of one dtype (q is {q.dtype})", f"k {k.dtype}, v {v.dtype}")
     _check_shape("g", g, (B, T, HV, K), "[B, T, HV, K]")
     _check_shape("beta", beta, (B, T, HV), "[B, T, HV]")
-    tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    device = q.device
+    others = [("k", k), ("v", v), ("g", g), ("beta", beta)]  # tensors that must live on q's device
 
     N = B
     if cu_seqlens is not None:
@@ -83,14 +84,14 @@ def _validate(
         if B != 1:
             _fail(ValueError, "cu_seqlens", "batch size B = 1 (sequences are packed along T)", f"B = {B}")
         N = cu_seqlens.shape[0] - 1
-        tensors["cu_seqlens"] = cu_seqlens
+        others.append(("cu_seqlens", cu_seqlens))
         if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
             _check_cu_seqlens_values(cu_seqlens, T)
 
     if initial_state is not None:
         _check_float("initial_state", initial_state)
         _check_shape("initial_state", initial_state, (N, HV, K, V), "[N, HV, K, V]")
-        tensors["initial_state"] = initial_state
+        others.append(("initial_state", initial_state))
 
     if use_gate_in_kernel:
         if A_log is None and lower_bound is None:
@@ -98,11 +99,11 @@ def _validate(
         if A_log is not None:
             _check_float("A_log", A_log)
             _check_shape("A_log", A_log, (HV,), "[HV]")
-            tensors["A_log"] = A_log
+            others.append(("A_log", A_log))
         if dt_bias is not None:
             _check_float("dt_bias", dt_bias)
             _check_shape("dt_bias", dt_bias, (HV * K,), "[HV * K]")
-            tensors["dt_bias"] = dt_bias
+            others.append(("dt_bias", dt_bias))
         if lower_bound is not None and not (isinstance(lower_bound, (int, float)) and math.isfinite(lower_bound)):
             _fail(ValueError, "lower_bound", "a finite float", lower_bound)
     else:
@@ -110,10 +111,10 @@ def _validate(
             if given is not None:
                 _fail(ValueError, name, "None unless use_gate_in_kernel=True", type(given).__name__)
 
-    devices = {name: x.device for name, x in tensors.items()}
-    if len(set(devices.values())) > 1:
-        odd = [f"{name} on {d}" for name, d in devices.items() if d != q.device]
-        _fail(ValueError, odd[0].split(" ")[0], f"every tensor on q's device {q.device}", ", ".join(odd))
+    for name, x in others:
+        if x.device != device:
+            odd = ", ".join(f"{n} on {t.device}" for n, t in others if t.device != device)
+            _fail(ValueError, name, f"every tensor on q's device {device}", odd)
 
     if scale is None:
         return float(K**-0.5)

@@ -9,6 +9,7 @@ Only ``T``, ``N`` and ``C`` shape the result, so one compiled graph or captured 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -98,24 +99,40 @@ class ChunkMap:
     offset: Tensor
 
 
+def _dense_map(B: int, T: int, C: int, device: torch.device) -> ChunkMap:
+    """The chunk map of a dense batch ``[B, T]`` (``B * T > 0``) in 11 device ops."""
+    nch = (T + C - 1) // C
+    NC = num_chunk_slots(B * T, B, C)
+    cC = torch.arange(0, NC * C, C, device=device, dtype=torch.int64)  # c * C
+    seq = torch.div(cC, nch * C, rounding_mode="floor").clamp_(max=B - 1)
+    # start = seq * T + j * C with j = c - seq * nch: the chunk's index inside its sequence
+    start = seq * (T - nch * C) + cC
+    count = (seq * (nch * C) - cC + T).clamp_(0, C)
+    cu = torch.arange(0, (B + 1) * T, T, device=device, dtype=torch.int64)
+    offset = torch.arange(0, B * nch, nch, device=device, dtype=torch.int64)
+    return ChunkMap(cu, start, count, offset)
+
+
+@functools.lru_cache(maxsize=32)
+def _dense_map_cached(B: int, T: int, C: int, device: torch.device, stream: int) -> ChunkMap:
+    """:func:`_dense_map`, built once per shape and CUDA stream (its values depend on the shape alone; the stream
+    in the key orders the first build before every read). Never used while a CUDA graph is being captured: the
+    captured ops fill the tensors only when the graph replays."""
+    return _dense_map(B, T, C, device)
+
+
 def chunk_map(cu_seqlens: Tensor | None, B: int, T: int, C: int, device: torch.device) -> ChunkMap:
     """The :class:`ChunkMap` of a batch ``[B, T]`` (``cu_seqlens`` None) or of ``cu_seqlens`` over ``B * T`` tokens.
 
     Equal to :func:`flat_cu_seqlens`, :func:`chunk_slots` and the sequences' first slots (tests/test_varlen.py),
-    in 11 device ops for a dense batch and 19 with ``cu_seqlens``, against about 45.
+    in 11 device ops for a dense batch (on CUDA, once per shape and stream: it is cached; the kernels only read
+    it) and 19 with ``cu_seqlens``, against about 45.
     """
     total = B * T
     if cu_seqlens is None and total > 0:
-        nch = (T + C - 1) // C
-        NC = num_chunk_slots(total, B, C)
-        cC = torch.arange(0, NC * C, C, device=device, dtype=torch.int64)  # c * C
-        seq = torch.div(cC, nch * C, rounding_mode="floor").clamp_(max=B - 1)
-        # start = seq * T + j * C with j = c - seq * nch: the chunk's index inside its sequence
-        start = seq * (T - nch * C) + cC
-        count = (seq * (nch * C) - cC + T).clamp_(0, C)
-        cu = torch.arange(0, (B + 1) * T, T, device=device, dtype=torch.int64)
-        offset = torch.arange(0, B * nch, nch, device=device, dtype=torch.int64)
-        return ChunkMap(cu, start, count, offset)
+        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return _dense_map(B, T, C, device)
+        return _dense_map_cached(B, T, C, device, torch.cuda.current_stream(device).cuda_stream)
     cu = flat_cu_seqlens(cu_seqlens, B, T, device)
     N = cu.shape[0] - 1
     NC = num_chunk_slots(total, N, C)

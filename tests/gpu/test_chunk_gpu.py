@@ -259,3 +259,23 @@ def test_nan_poison_reaches_no_output() -> None:
     o, s = _chunk(x, cu=cu)
     assert s is not None and torch.isfinite(o).all() and torch.isfinite(s).all()
     assert torch.equal(s[1], torch.zeros_like(s[1])) and torch.equal(s[3], torch.zeros_like(s[3]))
+
+
+def test_dense_chunk_map_cache_across_streams_and_capture() -> None:
+    """The dense chunk map is cached per shape and stream, and never while capturing: a call on a side stream and
+    a captured call (the map built inside the graph) give what the first eager call gave, bitwise."""
+    x = make_inputs(2, 130, 4, 64, 64, dtype=BF16, device=DEV)
+    with torch.no_grad():
+        ref = kda_ops.chunk_kda(**x, output_final_state=True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            on_side = kda_ops.chunk_kda(**x, output_final_state=True)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = kda_ops.chunk_kda(**x, output_final_state=True)
+        graph.replay()
+        torch.cuda.synchronize()
+    for out in (on_side, captured):
+        assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])

@@ -295,3 +295,31 @@ def test_sync_free_and_fully_written_everywhere() -> None:
 def test_triton_kernels_are_selected_on_cuda() -> None:
     assert {"recurrent", "recurrent_bwd", "recurrent_update_"} <= ops.TRITON_KERNELS
     assert all(ops.uses_triton(op, torch.device(DEV)) for op in ops.TRITON_KERNELS)
+
+
+def test_cached_launch_equals_triton_launch() -> None:
+    """The cached launch (``kda_ops.triton.launch``) runs what Triton's own launch runs: the first call goes through
+    Triton and fills the cache, later calls take the cached kernel; outputs are bitwise equal. An input whose
+    pointer is not 16-byte aligned is a new launch key (Triton specializes on alignment)."""
+    from kda_ops.triton import recurrent as tr
+
+    x = make_inputs(3, 5, 4, 64, 64, dtype=BF16, device=DEV)
+    h0 = make_state(3, 4, 64, 64, device=DEV)
+
+    def call(q: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        with torch.inference_mode():
+            return kda_ops.recurrent_kda(**{**x, "q": q}, initial_state=h0, output_final_state=True)
+
+    tr._launch_fwd._cache.clear()
+    first = call(x["q"])
+    keys = len(tr._launch_fwd._cache)
+    assert keys == 1
+    for _ in range(3):
+        again = call(x["q"])
+        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+    buf = torch.empty(x["q"].numel() + 1, dtype=BF16, device=DEV)
+    q_odd = buf[1:].view_as(x["q"]).copy_(x["q"])  # 2-byte aligned
+    for _ in range(3):
+        odd = call(q_odd)
+        assert torch.equal(odd[0], first[0]) and torch.equal(odd[1], first[1])
+    assert len(tr._launch_fwd._cache) == keys + 1

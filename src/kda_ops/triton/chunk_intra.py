@@ -52,6 +52,7 @@ from kda_ops.triton.chunk_common import (
 )
 from kda_ops.triton.chunk_cumsum import block_decays, chunk_decays, gate_flags, load_log_decay
 from kda_ops.triton.debug import poison
+from kda_ops.triton.launch import Launcher
 from kda_ops.varlen import SlotRows
 
 
@@ -253,16 +254,19 @@ def chunk_intra(
     flag = q.new_empty(NC, HV, dtype=torch.int8)
     poison(Mqk, Mkk, Qt, Kend, Gl)
     for blocks in (False, True):
-        chunk_intra_kernel[(NC, HV)](
-            contiguous(q), contiguous(k), contiguous(g), contiguous(beta), A_log, dt_bias, Mqk, Mkk, Qt, Kend, Gl,
+        _launch_intra(
+            (NC, HV),
+            (contiguous(q), contiguous(k), contiguous(g), contiguous(beta), A_log, dt_bias, Mqk, Mkk, Qt, Kend, Gl,
             flag, slots.start, slots.count, float(scale),
-            0.0 if opts.lower_bound is None else float(opts.lower_bound), H, HV,
-            K=K, NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm, BETA_SIGMOID=opts.use_beta_sigmoid,
+            0.0 if opts.lower_bound is None else float(opts.lower_bound), H, HV),
+            dict(K=K, NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm, BETA_SIGMOID=opts.use_beta_sigmoid,
             NEG_EIGVAL=opts.allow_neg_eigval, PREC=precision.intra, DT=compute_dtype(q), ASPAN=ANCHOR_SPAN,
-            SPAN=FACTOR_SPAN, BLOCKS=blocks, **gate_flags(opts, A_log, dt_bias), **launch("intra", BK=K),
+            SPAN=FACTOR_SPAN, BLOCKS=blocks, **gate_flags(opts, A_log, dt_bias), **launch("intra", BK=K)),
         )  # fmt: skip
     return Mqk, Mkk, Qt, Kend, Gl
 
+
+_launch_intra = Launcher(chunk_intra_kernel)
 
 __all__ = [
     "chunk_intra",

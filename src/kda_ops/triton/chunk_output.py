@@ -27,6 +27,7 @@ from kda_ops.triton.chunk_common import (
     tile2,
 )
 from kda_ops.triton.debug import poison
+from kda_ops.triton.launch import Launcher
 from kda_ops.varlen import SlotRows
 
 
@@ -81,11 +82,14 @@ def chunk_output(
     assert o.shape == (T, HV, V) and o.dtype == out_dtype and o.is_contiguous(), "chunk_output: bad out"
     poison(o)
     cfg = launch("output", BV=V)
-    chunk_output_kernel[(NC, triton.cdiv(V, cfg["BV"]), HV)](
-        contiguous(Qt), contiguous(Mqk), contiguous(Hin), contiguous(E), o, slots.start, slots.count, HV,
-        K=K, V=V, BK=pow2(K), BT=BT, PREC=precision.output, DT=compute_dtype(Hin), **cfg,
+    _launch_output(
+        (NC, triton.cdiv(V, cfg["BV"]), HV),
+        (contiguous(Qt), contiguous(Mqk), contiguous(Hin), contiguous(E), o, slots.start, slots.count, HV),
+        dict(K=K, V=V, BK=pow2(K), BT=BT, PREC=precision.output, DT=compute_dtype(Hin), **cfg),
     )  # fmt: skip
     return o
 
+
+_launch_output = Launcher(chunk_output_kernel)
 
 __all__ = ["chunk_output", "output_tile"]

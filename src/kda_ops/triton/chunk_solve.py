@@ -34,6 +34,7 @@ from kda_ops.triton.chunk_common import (
 )
 from kda_ops.triton.chunk_cumsum import gate_flags, load_log_decay
 from kda_ops.triton.debug import poison
+from kda_ops.triton.launch import Launcher
 from kda_ops.varlen import SlotRows
 
 
@@ -143,15 +144,18 @@ def chunk_solve(
     W = k.new_empty(T, HV, K, dtype=precision.store)
     U = v.new_empty(T, HV, V, dtype=precision.store)
     poison(Tm, W, U)
-    chunk_solve_kernel[(NC, HV)](
-        contiguous(Mkk), contiguous(k), contiguous(v), contiguous(g), contiguous(beta), A_log, dt_bias, Tm, W, U,
-        slots.start, slots.count, 0.0 if opts.lower_bound is None else float(opts.lower_bound), H, HV,
-        K=K, V=V, NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm,
+    _launch_solve(
+        (NC, HV),
+        (contiguous(Mkk), contiguous(k), contiguous(v), contiguous(g), contiguous(beta), A_log, dt_bias, Tm, W, U,
+        slots.start, slots.count, 0.0 if opts.lower_bound is None else float(opts.lower_bound), H, HV),
+        dict(K=K, V=V, NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm,
         BETA_SIGMOID=opts.use_beta_sigmoid, NEG_EIGVAL=opts.allow_neg_eigval, PREC_SOLVE=precision.solve,
         PREC_WY=precision.wy, DT=compute_dtype(k), STORE_TM=store_tm, **gate_flags(opts, A_log, dt_bias),
-        **launch("solve", BK=K, BV=V),
+        **launch("solve", BK=K, BV=V)),
     )  # fmt: skip
     return Tm, W, U
 
+
+_launch_solve = Launcher(chunk_solve_kernel)
 
 __all__ = ["chunk_solve", "solve_unit_lower", "wy_pass"]

@@ -41,6 +41,7 @@ from kda_ops.triton.chunk_common import (
 )
 from kda_ops.triton.chunk_output import output_tile
 from kda_ops.triton.debug import poison
+from kda_ops.triton.launch import Launcher
 from kda_ops.varlen import sequence_chunks
 
 # None: pick BV from the machine (scan_block_v); an int forces it (benchmarks sweep it).
@@ -162,12 +163,14 @@ def chunk_state(
     outputs: tuple[Tensor, Tensor, Tensor] | None = None,
     store_states: bool = False,
     offsets: Tensor | None = None,
+    states_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
     """Run the scan over the chunks of every sequence of ``cu`` (sanitized, int64, over the flat token stream).
 
     ``W, Kend [T, HV, K]``, ``U [T, HV, V]``, ``Gl [NC, HV, K]`` (per chunk slot), ``h0 [N, HV, K, V]`` or None.
     Writes ``final [N, HV, K, V]`` if given, and with ``outputs = (Qt, Mqk, o)`` the outputs into ``o [T, HV, V]``.
-    Returns ``(Hin [NC, HV, K, V], E [T, HV, V])`` in the compute dtype with ``store_states``, else ``(None, None)``.
+    Returns ``(Hin [NC, HV, K, V], E [T, HV, V])`` with ``store_states`` (in ``states_dtype``, default the compute
+    dtype), else ``(None, None)``.
     ``offsets``: each sequence's first chunk slot (:func:`chunk_offsets` of ``cu`` when not given).
     """
     T, HV, K = W.shape
@@ -177,19 +180,22 @@ def chunk_state(
     dt = torch.float64 if Gl.dtype == torch.float64 else torch.float32
     Hin = E = None
     if store_states:
-        Hin = W.new_empty(NC, HV, K, V, dtype=dt)
-        E = W.new_empty(T, HV, V, dtype=dt)
+        Hin = W.new_empty(NC, HV, K, V, dtype=states_dtype or dt)
+        E = W.new_empty(T, HV, V, dtype=states_dtype or dt)
         poison(Hin, E)
     Qt, Mqk, o = outputs if outputs is not None else (None, None, None)
     BV = scan_block_v(V, N * HV, W.device)
     offsets = chunk_offsets(cu) if offsets is None else offsets
-    chunk_state_kernel[(N * HV * triton.cdiv(V, BV),)](
-        contiguous(W), contiguous(U), contiguous(Kend), Gl, h0, final, Qt, Mqk, o, Hin, E, cu, offsets, HV,
-        K=K, V=V, BK=pow2(K), BV=BV, BT=BT, USE_H0=h0 is not None, STORE_FINAL=final is not None,
+    _launch_scan(
+        (N * HV * triton.cdiv(V, BV),),
+        (contiguous(W), contiguous(U), contiguous(Kend), Gl, h0, final, Qt, Mqk, o, Hin, E, cu, offsets, HV),
+        dict(K=K, V=V, BK=pow2(K), BV=BV, BT=BT, USE_H0=h0 is not None, STORE_FINAL=final is not None,
         FUSE_OUTPUT=outputs is not None, STORE_STATES=store_states, PREC_SCAN=precision.scan,
-        PREC_OUT=precision.output, DT=compute_dtype(Gl), **launch("scan"),
+        PREC_OUT=precision.output, DT=compute_dtype(Gl), **launch("scan")),
     )  # fmt: skip
     return Hin, E
 
+
+_launch_scan = Launcher(chunk_state_kernel)
 
 __all__ = ["BV_OVERRIDE", "block_v_choices", "chunk_offsets", "chunk_state", "scan_block_v"]

@@ -30,12 +30,14 @@ from torch import Tensor
 
 from kda_ops.common import Options, forward_outputs
 from kda_ops.triton.debug import poison
+from kda_ops.triton.launch import Launcher
 
 # Launch configuration: fixed per shape (no autotune), so the first call inside a CUDA-graph capture needs no
 # warm-up beyond compilation. Chosen by `python benchmarks/bench_recurrent.py --sweep` (H200, triton 3.6,
 # 2026-11-29; decode, K = V = 128, graph-replayed serving step, µs at B = 1/16/64/256): BV = 64 with 2 warps
 # 9.2/26.2/83.4/300.8, against 8.7/27.6/90.0/328.2 for BV = 32 with 4 warps and 9.2/26.2/84.7/308.1 for
-# BV = 64 with 4; BV = 16 is 1.5-1.8x slower from B = 64, BV = 128 and 8 warps slower everywhere.
+# BV = 64 with 4; BV = 16 is 1.5-1.8x slower from B = 64, BV = 128 and 8 warps slower everywhere. Cache hints on
+# the state (evict-first load, streaming store) made the B = 64 step slower: 75.3 -> 79.5 µs (2026-11-29).
 BV_MAX = 64
 ELEMENTS_PER_WARP = 4096  # state elements per warp: 128 fp32 registers per thread for the state tile
 
@@ -187,7 +189,11 @@ def recurrent_fwd_kernel(
     IS_VARLEN: tl.constexpr,
     USE_STATE_INDICES: tl.constexpr,
 ):
-    i_nh, i_v = tl.program_id(0), tl.program_id(1)
+    # one grid axis, the value tiles of one state adjacent: the halves of each state row are read and written
+    # together (DRAM pages opened once), and the grid is not bounded by the 65535 of the other axes
+    NV: tl.constexpr = (V + BV - 1) // BV
+    pid = tl.program_id(0)
+    i_nh, i_v = pid // NV, pid % NV
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     bos, eos = sequence_bounds(cu_seqlens, i_n, T, IS_VARLEN)
@@ -248,6 +254,8 @@ def recurrent_fwd_kernel(
 
 # --------------------------------------------------------------------------------------------- launchers
 
+_launch_fwd = Launcher(recurrent_fwd_kernel)
+
 
 def launch_forward(
     q: Tensor,
@@ -271,16 +279,17 @@ def launch_forward(
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if N * HV == 0 or (o.numel() == 0 and ht is None):
         return
-    NV, meta = _forward_meta(
+    NV, meta, key = _forward_meta(
         H, HV, K, V, v.dtype == torch.float64, opts, A_log is not None, dt_bias is not None, h0 is not None,
         ht is not None, cu_seqlens is not None, state_indices is not None,
     )  # fmt: skip
-    recurrent_fwd_kernel[(N * HV, NV)](
-        contiguous(q), contiguous(k), contiguous(v), contiguous(g), contiguous(beta), o,
-        h0, ht, cu_seqlens, state_indices, A_log, dt_bias,
-        scale, 0.0 if opts.lower_bound is None else opts.lower_bound,
-        T, 0 if h0 is None else h0.shape[0],
-        **meta,
+    _launch_fwd(
+        (N * HV * NV,),
+        (contiguous(q), contiguous(k), contiguous(v), contiguous(g), contiguous(beta), o,
+         h0, ht, cu_seqlens, state_indices, A_log, dt_bias,
+         scale, 0.0 if opts.lower_bound is None else opts.lower_bound,
+         T, 0 if h0 is None else h0.shape[0]),
+        meta, key,
     )  # fmt: skip
 
 
@@ -288,10 +297,11 @@ def launch_forward(
 def _forward_meta(
     H: int, HV: int, K: int, V: int, fp64: bool, opts: Options, has_A_log: bool, has_dt_bias: bool,
     has_h0: bool, has_ht: bool, varlen: bool, indexed: bool,
-) -> tuple[int, dict[str, Any]]:  # fmt: skip
-    """The number of value tiles and the constexpr arguments of one launch, computed once per configuration
-    (the eager decode call is dominated by host overhead)."""
+) -> tuple[int, dict[str, Any], tuple[Any, ...]]:  # fmt: skip
+    """The number of value tiles, the constexpr arguments of one launch and a hashable key that determines them,
+    computed once per configuration (the eager decode call is dominated by host overhead)."""
     BK, BV, num_warps = launch_config(K, V)
+    key = (H, HV, K, V, fp64, opts, has_A_log, has_dt_bias, has_h0, has_ht, varlen, indexed, BK, BV, num_warps)
     meta = dict(
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, DT=tl.float64 if fp64 else tl.float32,
         USE_L2NORM=opts.use_qk_l2norm,
@@ -307,7 +317,7 @@ def _forward_meta(
         USE_STATE_INDICES=indexed,
         num_warps=num_warps,
     )  # fmt: skip
-    return (V + BV - 1) // BV, meta
+    return (V + BV - 1) // BV, meta, key
 
 
 def recurrent_fwd(
