@@ -9,7 +9,6 @@ Only ``T``, ``N`` and ``C`` shape the result, so one compiled graph or captured 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -113,26 +112,17 @@ def _dense_map(B: int, T: int, C: int, device: torch.device) -> ChunkMap:
     return ChunkMap(cu, start, count, offset)
 
 
-@functools.lru_cache(maxsize=32)
-def _dense_map_cached(B: int, T: int, C: int, device: torch.device, stream: int) -> ChunkMap:
-    """:func:`_dense_map`, built once per shape and CUDA stream (its values depend on the shape alone; the stream
-    in the key orders the first build before every read). Never used while a CUDA graph is being captured: the
-    captured ops fill the tensors only when the graph replays."""
-    return _dense_map(B, T, C, device)
-
-
 def chunk_map(cu_seqlens: Tensor | None, B: int, T: int, C: int, device: torch.device) -> ChunkMap:
     """The :class:`ChunkMap` of a batch ``[B, T]`` (``cu_seqlens`` None) or of ``cu_seqlens`` over ``B * T`` tokens.
 
     Equal to :func:`flat_cu_seqlens`, :func:`chunk_slots` and the sequences' first slots (tests/test_varlen.py),
-    in 11 device ops for a dense batch (on CUDA, once per shape and stream: it is cached; the kernels only read
-    it) and 19 with ``cu_seqlens``, against about 45.
+    in 11 device ops for a dense batch and 19 with ``cu_seqlens``, against about 45. Not cached across calls: a
+    map built during a ``reduce-overhead`` warm-up lives in the CUDA-graph tree's memory pool, which the tree
+    reclaims (a cache made this way failed ``test_prefill_and_decode_reduce_overhead_equal_to_eager`` on the H200).
     """
     total = B * T
     if cu_seqlens is None and total > 0:
-        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-            return _dense_map(B, T, C, device)
-        return _dense_map_cached(B, T, C, device, torch.cuda.current_stream(device).cuda_stream)
+        return _dense_map(B, T, C, device)
     cu = flat_cu_seqlens(cu_seqlens, B, T, device)
     N = cu.shape[0] - 1
     NC = num_chunk_slots(total, N, C)
