@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -20,4 +22,10 @@ def test_docs_example_runs(code: str) -> None:
     import torch
 
     torch._dynamo.reset()
-    exec(compile(code, "<docs>", "exec"), {"__name__": "__docs__"})
+    # a real, importable module: torch.compile imports the module of the functions it compiles by name
+    module = types.ModuleType("kda_docs_example")
+    sys.modules[module.__name__] = module
+    try:
+        exec(compile(code, "<docs>", "exec"), module.__dict__)
+    finally:
+        del sys.modules[module.__name__]
