@@ -22,8 +22,9 @@ def test_docs_example_runs(code: str) -> None:
     import torch
 
     torch._dynamo.reset()
-    # a real, importable module: torch.compile imports the module of the functions it compiles by name
-    module = types.ModuleType("kda_docs_example")
+    # a real, importable module of its own: torch.compile imports the module of the functions it compiles by name,
+    # and its guards look the globals up there
+    module = types.ModuleType(f"kda_docs_example_{abs(hash(code))}")
     sys.modules[module.__name__] = module
     try:
         exec(compile(code, "<docs>", "exec"), module.__dict__)
