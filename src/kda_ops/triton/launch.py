@@ -1,9 +1,15 @@
 """A cached launcher for the kernels whose host cost per call matters (the eager decode step).
 
 ``kernel[grid](*args, **meta)`` binds every argument, computes Triton's specialization key (dtype and 16-byte
-alignment of each pointer, ``== 1`` and divisibility by 16 of each integer, the constexprs) and looks the compiled
-kernel up, on every call: about 26 µs a launch on the H200's host, a third of an eager decode step. :class:`Launcher`
-does the lookup once per *launch key* and then calls the compiled kernel directly.
+alignment of each pointer, ``== 1`` and divisibility by 16 of each integer, the constexprs), looks the compiled
+kernel up and, with Triton 3.6, builds launch metadata for its (empty) hook chains, on every call. :class:`Launcher`
+does the lookup once per *launch key* and then calls the compiled kernel's launcher directly.
+
+Measured: the recurrent launch (``bench_recurrent.py``'s "launch_forward" row) took 29-31 µs of host time on the
+H200 machine both through Triton and through the first version of this class (2026-11-29): that version's own key
+(~7.5 µs of Python on a 2-core CI-class CPU) cost what it saved. This version builds the key in ~2.3 µs and passes
+the arguments without re-ordering them (~4.5 µs in all, against ~7.5 µs); its effect on the H200 host is not
+measured yet.
 
 The launch key is a refinement of Triton's specialization key, so that a hit always finds the kernel Triton itself
 would have picked: the caller's ``meta_key`` (which must determine ``meta``: the constexprs and launch options), the
@@ -26,18 +32,22 @@ from torch import Tensor
 from kda_ops.triton.chunk_common import interpreting
 
 
-def _arg_class(x: Any) -> Hashable:
-    if isinstance(x, Tensor):
-        return (x.dtype, x.data_ptr() & 15)
-    if x is None:
-        return None
-    if isinstance(x, bool):
-        return ("b", x)
-    if isinstance(x, int):
-        return (x & 15, x == 1, -(2**31) <= x < 2**31)
-    if isinstance(x, float):
-        return "f"
-    raise TypeError(f"Launcher: unsupported runtime argument of type {type(x).__name__}")
+def _arg_key(args: Sequence[Any]) -> tuple[Any, ...] | None:
+    """The launch key's part for the runtime arguments (see the module docstring); None for an argument it does not
+    classify (Triton's own path takes those launches)."""
+    key: list[Any] = []
+    for x in args:
+        if type(x) is Tensor:
+            key.append(x.dtype)
+            key.append(x.data_ptr() & 15)
+        elif x is None or type(x) is float:
+            key.append(x is None)
+        elif type(x) is int and -(2**63) <= x < 2**63:
+            key.append((x & 15) + (0 if -(2**31) <= x < 2**31 else 16))
+            key.append(x == 1)
+        else:
+            return None
+    return tuple(key)
 
 
 def _hooked() -> bool:
@@ -65,33 +75,35 @@ class Launcher:
     def __call__(
         self, grid: tuple[int, ...], args: Sequence[Any], meta: dict[str, Any], meta_key: Hashable = None
     ) -> None:
-        device = args[0].device if isinstance(args[0], Tensor) else None
-        if device is None or device.type != "cuda" or interpreting() or _hooked():
+        first = args[0]
+        device = first.device if type(first) is Tensor else _CPU
+        arg_key = None if device.type != "cuda" or _INTERPRETING or _hooked() else _arg_key(args)
+        if arg_key is None:
             self.kernel[grid](*args, **meta)
             return
-        key = (tuple(meta.items()) if meta_key is None else meta_key, device.index, *map(_arg_class, args))
+        key = (tuple(meta.items()) if meta_key is None else meta_key, device.index, arg_key)
         hit = self._cache.get(key)
         if hit is None:
             compiled = self.kernel[grid](*args, **meta)
-            self._cache[key] = (compiled, self._layout(meta) if compiled is not None else None)
+            self._cache[key] = (compiled, self._constexpr_tail(meta) if compiled is not None else None)
             return
-        compiled, layout = hit
-        if layout is None:  # no compiled kernel to call directly: Triton's own path every time
+        compiled, tail = hit
+        if tail is None:  # no compiled kernel to call directly: Triton's own path every time
             self.kernel[grid](*args, **meta)
             return
-        it = iter(args)
-        values = [next(it) if slot is _RUNTIME else slot for slot in layout]
         g = (*grid, 1, 1)
         compiled.run(g[0], g[1], g[2], _raw_stream(device.index), compiled.function, compiled.packed_metadata, None,
-                     None, None, *values)  # fmt: skip
+                     None, None, *args, *tail)  # fmt: skip
 
-    def _layout(self, meta: dict[str, Any]) -> tuple[Any, ...] | None:
-        """Every parameter of the kernel in order: the constexpr's value, or a marker for the next runtime argument
-        (None when ``meta`` lacks a constexpr: such launches keep Triton's path, which applies the default)."""
-        names = [p.name if p.is_constexpr else None for p in self.kernel.params]
-        if any(name is not None and name not in meta for name in names):
+    def _constexpr_tail(self, meta: dict[str, Any]) -> tuple[Any, ...] | None:
+        """The constexpr values that follow the runtime arguments in the kernel's parameter list (Triton's launcher
+        takes every parameter in order). None, and Triton's own path for every launch, unless the kernel declares
+        all its runtime parameters first and ``meta`` holds every constexpr."""
+        params = self.kernel.params
+        n = sum(1 for p in params if not p.is_constexpr)
+        if any(p.is_constexpr for p in params[:n]) or any(p.name not in meta for p in params[n:]):
             return None
-        return tuple(_RUNTIME if name is None else meta[name] for name in names)
+        return tuple(meta[p.name] for p in params[n:])
 
 
 def _raw_stream(index: int) -> int:
@@ -104,6 +116,8 @@ _get_raw_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
 )
 
 
-_RUNTIME = object()
+_CPU = torch.device("cpu")
+# Under the interpreter ``@triton.jit`` made interpreted functions at import: fixed for the process.
+_INTERPRETING = interpreting()
 
 __all__ = ["Launcher"]

@@ -1,0 +1,59 @@
+"""The cached launcher's key (``kda_ops.triton.launch``): a refinement of Triton's specialization key.
+
+A launch key that merged two argument lists Triton specializes differently would launch a kernel compiled for the
+other one (wrong alignment assumptions, a length specialized to 1). The GPU test
+``tests/gpu/test_recurrent_gpu.py::test_cached_launch_equals_triton_launch`` runs the cached path itself.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+launch = pytest.importorskip("kda_ops.triton.launch")
+
+
+def key(*args: Any) -> Any:
+    return launch._arg_key(args)
+
+
+def test_tensors_by_dtype_and_alignment() -> None:
+    buf = torch.zeros(64, dtype=torch.float32)
+    assert buf.data_ptr() % 16 == 0  # the allocator's alignment
+    assert key(buf) == key(torch.zeros(8, dtype=torch.float32))
+    assert key(buf) != key(buf.to(torch.bfloat16))
+    assert key(buf) != key(buf[1:])  # 4 bytes off: another alignment class
+    assert key(buf[4:]) == key(buf[8:])  # 16 and 32 bytes off: both aligned
+
+
+def test_integers_by_residue_one_and_width() -> None:
+    assert key(16) != key(17)
+    assert key(1) != key(17)  # Triton makes an argument equal to 1 a constant
+    assert key(2) == key(18)
+    assert key(16) != key(2**32)  # needs 64 bits
+    assert key(5) != key(5.0)
+
+
+def test_none_and_floats() -> None:
+    assert key(None) != key(0.5)
+    assert key(0.5) == key(-3.0)  # floats are not specialized
+
+
+def test_unclassified_arguments_take_tritons_path() -> None:
+    assert key(True) is None
+    assert key("x") is None
+    assert key(2**70) is None
+
+
+def test_constexpr_tail() -> None:
+    def param(name: str, const: bool) -> Any:
+        return SimpleNamespace(name=name, is_constexpr=const)
+
+    ok = launch.Launcher(SimpleNamespace(params=[param("x", False), param("n", False), param("B", True)]))
+    assert ok._constexpr_tail({"B": 4, "num_warps": 2}) == (4,)
+    assert ok._constexpr_tail({"num_warps": 2}) is None  # a constexpr left to its default
+    mixed = launch.Launcher(SimpleNamespace(params=[param("x", False), param("B", True), param("n", False)]))
+    assert mixed._constexpr_tail({"B": 4}) is None
