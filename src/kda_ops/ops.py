@@ -116,7 +116,7 @@ _FORWARD_SCHEMA = (
 )
 # The forward ops and the serving op are defined with the low-level Library API; the backward ops with custom_op.
 # The forward is what an eager decode or short prefill pays per call: custom_op's Python wrappers cost ~7 µs more
-# a call than a Library op with the same autograd formula (``register_autograd``) and ~6 µs more under
+# a call than a Library op with the same autograd formula (``register_autograd``) and ~5.5 µs more under
 # inference_mode, where the dispatcher skips the autograd kernel altogether (torch 2.13, CPU, measured with a stub
 # kernel). The backward ops keep custom_op for its clear error on a double backward.
 _lib = torch.library.Library("kda", "FRAGMENT")

@@ -257,11 +257,11 @@ def chunk_intra(
         _launch_intra(
             (NC, HV),
             (contiguous(q), contiguous(k), contiguous(g), contiguous(beta), A_log, dt_bias, Mqk, Mkk, Qt, Kend, Gl,
-            flag, slots.start, slots.count, float(scale),
-            0.0 if opts.lower_bound is None else float(opts.lower_bound), H, HV),
+             flag, slots.start, slots.count, float(scale),
+             0.0 if opts.lower_bound is None else float(opts.lower_bound), H, HV),
             dict(K=K, NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm, BETA_SIGMOID=opts.use_beta_sigmoid,
-            NEG_EIGVAL=opts.allow_neg_eigval, PREC=precision.intra, DT=compute_dtype(q), ASPAN=ANCHOR_SPAN,
-            SPAN=FACTOR_SPAN, BLOCKS=blocks, **gate_flags(opts, A_log, dt_bias), **launch("intra", BK=K)),
+                 NEG_EIGVAL=opts.allow_neg_eigval, PREC=precision.intra, DT=compute_dtype(q), ASPAN=ANCHOR_SPAN,
+                 SPAN=FACTOR_SPAN, BLOCKS=blocks, **gate_flags(opts, A_log, dt_bias), **launch("intra", BK=K)),
         )  # fmt: skip
     return Mqk, Mkk, Qt, Kend, Gl
 

@@ -147,11 +147,11 @@ def chunk_solve(
     _launch_solve(
         (NC, HV),
         (contiguous(Mkk), contiguous(k), contiguous(v), contiguous(g), contiguous(beta), A_log, dt_bias, Tm, W, U,
-        slots.start, slots.count, 0.0 if opts.lower_bound is None else float(opts.lower_bound), H, HV),
+         slots.start, slots.count, 0.0 if opts.lower_bound is None else float(opts.lower_bound), H, HV),
         dict(K=K, V=V, NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm,
-        BETA_SIGMOID=opts.use_beta_sigmoid, NEG_EIGVAL=opts.allow_neg_eigval, PREC_SOLVE=precision.solve,
-        PREC_WY=precision.wy, DT=compute_dtype(k), STORE_TM=store_tm, **gate_flags(opts, A_log, dt_bias),
-        **launch("solve", BK=K, BV=V)),
+             BETA_SIGMOID=opts.use_beta_sigmoid, NEG_EIGVAL=opts.allow_neg_eigval, PREC_SOLVE=precision.solve,
+             PREC_WY=precision.wy, DT=compute_dtype(k), STORE_TM=store_tm, **gate_flags(opts, A_log, dt_bias),
+             **launch("solve", BK=K, BV=V)),
     )  # fmt: skip
     return Tm, W, U
 

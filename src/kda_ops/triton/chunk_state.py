@@ -190,8 +190,8 @@ def chunk_state(
         (N * HV * triton.cdiv(V, BV),),
         (contiguous(W), contiguous(U), contiguous(Kend), Gl, h0, final, Qt, Mqk, o, Hin, E, cu, offsets, HV),
         dict(K=K, V=V, BK=pow2(K), BV=BV, BT=BT, USE_H0=h0 is not None, STORE_FINAL=final is not None,
-        FUSE_OUTPUT=outputs is not None, STORE_STATES=store_states, PREC_SCAN=precision.scan,
-        PREC_OUT=precision.output, DT=compute_dtype(Gl), **launch("scan")),
+             FUSE_OUTPUT=outputs is not None, STORE_STATES=store_states, PREC_SCAN=precision.scan,
+             PREC_OUT=precision.output, DT=compute_dtype(Gl), **launch("scan")),
     )  # fmt: skip
     return Hin, E
 
