@@ -1,5 +1,8 @@
 """Compile the chunk kernels for an H100/H200 (sm_90) without a GPU: ``python tests/_sm90_compile.py``.
 
+The backward's kernels are taken as their driver launches them (:func:`backward_launches`) and must not spill
+more than :data:`BACKWARD_MAX_STACK` bytes per thread.
+
 The interpreter runs the kernels' semantics on the CPU but never lowers them to the GPU; a kernel that interprets
 fine can still fail to compile for sm_90 (layouts, dot shapes, loop-carried types). This script builds each chunk
 kernel ahead of time with triton's bundled ptxas for ``cuda:90`` and prints one JSON line per variant (registers,
@@ -137,11 +140,58 @@ def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
     }  # fmt: skip
 
 
+# Spill bound of the backward's kernels (bytes of local stack per thread): the dq/dk stage spilled 3 KB before its
+# diagonal blocks went column by column, the dv stage 552 B at 64-wide tiles, the recompute's exact-fp32 solve 816 B.
+BACKWARD_MAX_STACK = 128
+
+
+def backward_launches() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
+    """Every kernel of the chunk backward as its driver launches it on an H200 (132 SMs) for bf16 inputs, H = 32,
+    K = V = 128, l2norm, initial state and final-state gradient: the driver runs on small CPU tensors with Triton's
+    launch replaced by a recorder, so the variants follow the launchers' own tiles and warps."""
+    from triton.runtime.jit import JITFunction
+
+    from kda_ops.common import Options
+    from kda_ops.testing import make_inputs
+    from kda_ops.triton import KERNELS
+    from kda_ops.triton import chunk_state as scan
+
+    calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+    original = JITFunction.run
+
+    def record(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        calls.append((self, args, kwargs))
+
+    num_sms = scan._num_sms
+    JITFunction.run = record  # type: ignore[method-assign]
+    scan._num_sms = lambda device: 132  # type: ignore[assignment]  # the scan's value tile follows the SM count
+    try:
+        x = make_inputs(1, 128, 32, 128, 128, dtype=BF)
+        do = torch.randn(1, 128, 32, 128, dtype=BF)
+        KERNELS["chunk_bwd"](do, torch.randn(1, 32, 128, 128), x["q"], x["k"], x["v"], x["g"], x["beta"], 0.088,
+                             torch.zeros(1, 32, 128, 128), None, None, None, Options(use_qk_l2norm=True))  # fmt: skip
+    finally:
+        JITFunction.run = original  # type: ignore[method-assign]
+        scan._num_sms = num_sms  # type: ignore[assignment]
+    out: dict[str, tuple[Any, dict[str, Any], int, int]] = {}
+    for fn, args, kwargs in calls:
+        meta = dict(kwargs)
+        warps, stages = meta.pop("num_warps", 4), meta.pop("num_stages", 3)
+        a: dict[str, Any] = {n: v.dtype if isinstance(v, torch.Tensor) else v for n, v in zip(fn.arg_names, args)}
+        for n in fn.arg_names[len(args):]:
+            a[n] = meta[n]
+        out.setdefault(f"bwd {fn.__name__}", (fn, a, warps, stages))
+    return out
+
+
 def main() -> int:
     failures = 0
-    for name, (kernel, args, warps, stages) in variants().items():
+    for name, (kernel, args, warps, stages) in {**variants(), **backward_launches()}.items():
         try:
             info: dict[str, Any] = {"variant": name, "ok": True, **resources(build(kernel, args, warps, stages))}
+            if name.startswith("bwd ") and info["stack"] > BACKWARD_MAX_STACK:
+                failures += 1
+                info.update(ok=False, error=f"spills {info['stack']} B per thread (bound {BACKWARD_MAX_STACK})")
         except Exception as e:  # noqa: BLE001 - reported per variant; the exit status says whether any failed
             failures += 1
             info = {"variant": name, "ok": False, "error": f"{type(e).__name__}: {str(e)[-2000:]}"}

@@ -13,7 +13,9 @@ One program per (chunk slot, value head) walks the key tiles. Per tile (``backwa
 
 Pairwise products ``X[i,j] = sum_d a_id b_jd exp(Gam_id - Gam_jd)`` (``j <= i``), per 16-row block pair:
 
-- diagonal blocks elementwise, ``exp(Gam_i - Gam_j)`` with ``j <= i`` only (exponent <= 0);
+- diagonal blocks elementwise, ``exp(Gam_i - Gam_j)`` with ``j <= i`` only (exponent <= 0), one column ``j`` at a
+  time: ``[BC, BK]`` temporaries, where the ``[BC, BC, BK]`` form of all columns at once spilled ~2.5 KB of
+  registers per thread (ptxas, sm_90, K = V = 128);
 - an earlier column block ``J`` factored around its last row ``n``: ``exp(Gam_i - Gam_n) exp(Gam_n - Gam_j)``,
   both exponents <= 0, so no factor exceeds 1 whatever the gates (a hard reset of -1000 underflows to 0, as
   it should). ``da_I += (dX_IJ (b_J e^{Gam_n - Gam_J})) e^{Gam_I - Gam_n}``,
@@ -54,14 +56,12 @@ def pairwise_bwd(q, k, Gam, beta, dMqk, dMkk, tok0, count, i_h, i_hv, H, HV, sca
     r = tl.arange(0, BC)
     blk3 = tl.arange(0, NB)[:, None, None]
     blk2 = tl.arange(0, NB)[:, None]
-    r3 = r[:, None, None]
-    c3 = r[None, :, None]
     m_bc = col_mask(r, BC, BC)
     DqA = tl.zeros((NB, BC, BK), dtype=DT)
     DkA = tl.zeros((NB, BC, BK), dtype=DT)
     DkB = tl.zeros((NB, BC, BK), dtype=DT)
     Dbk = tl.zeros((NB, BC), dtype=DT)
-    for I in tl.static_range(NB):  # noqa: E741 (row block I, column block J: the notation of the math)
+    for I in range(NB):  # noqa: E741 (row block I, column block J: the notation of the math)
         rI = I * BC + r
         tI = tok0 + rI
         mI = rI < count
@@ -71,7 +71,7 @@ def pairwise_bwd(q, k, Gam, beta, dMqk, dMkk, tok0, count, i_h, i_hv, H, HV, sca
         bI = tl.load(beta + tI * HV + i_hv, mask=mI, other=0.0).to(DT)  # [BC]
         daq = tl.zeros((BC, BK), dtype=DT)
         dak = tl.zeros((BC, BK), dtype=DT)  # without beta_i: rowsum(k * dak) is the dbeta share
-        for J in tl.static_range(I + 1):
+        for J in range(0, I + 1):
             cJ = J * BC + r
             tJ = tok0 + cJ
             mJ = cJ < count
@@ -92,11 +92,21 @@ def pairwise_bwd(q, k, Gam, beta, dMqk, dMkk, tok0, count, i_h, i_hv, H, HV, sca
                 dbJ = mm(tl.trans(Xq), qI * eI, PREC, DT) * eJ
                 dbJ += mm(tl.trans(Xk * bI[:, None]), kI * eI, PREC, DT) * eJ
             else:
-                dec = tl.where(c3 <= r3, tl.exp(tl.minimum(GI[:, None, :] - GI[None, :, :], 0.0)), 0.0)
-                daq += tl.sum(Xq[:, :, None] * kI[None, :, :] * dec, axis=1)
-                dak += tl.sum(Xk[:, :, None] * kI[None, :, :] * dec, axis=1)
-                Xb = Xq[:, :, None] * qI[:, None, :] + (Xk * bI[:, None])[:, :, None] * kI[:, None, :]
-                dbJ = tl.sum(Xb * dec, axis=0)
+                # the diagonal block, exactly, one column j at a time: [BC, BK] temporaries instead of
+                # [BC, BC, BK] ones (those spilled kilobytes of registers per thread on sm_90)
+                dbJ = tl.zeros((BC, BK), dtype=DT)
+                for jj in range(BC):
+                    cj = J * BC + jj
+                    m_j = m_k & ((o_k * 0 + cj) < count)  # a block mask (see m_n above)
+                    kj = tl.load(k + (tok0 + cj) * H * K + i_h * K + o_k, mask=m_j, other=0.0).to(DT)  # [BK]
+                    Gj = tl.load(Gam + (tok0 + cj) * HV * K + i_hv * K + o_k, mask=m_j, other=0.0).to(DT)
+                    xq = tl.load(dMqk + tI * HV * BT + i_hv * BT + cj, mask=mI, other=0.0).to(DT) * scale  # [BC]
+                    xk = tl.load(dMkk + tI * HV * BT + i_hv * BT + cj, mask=mI, other=0.0).to(DT)
+                    dec = tl.where(r[:, None] >= jj, tl.exp(tl.minimum(GI - Gj[None, :], 0.0)), 0.0)  # [BC, BK]
+                    daq += xq[:, None] * kj[None, :] * dec
+                    dak += xk[:, None] * kj[None, :] * dec
+                    dbj = tl.sum((xq[:, None] * qI + (xk * bI)[:, None] * kI) * dec, axis=0)  # [BK]
+                    dbJ = tl.where(r[:, None] == jj, dbj[None, :], dbJ)
             DkB += tl.where(blk3 == J, dbJ[None, :, :], 0.0)
         DqA += tl.where(blk3 == I, daq[None, :, :], 0.0)
         DkA += tl.where(blk3 == I, (bI[:, None] * dak)[None, :, :], 0.0)
@@ -123,8 +133,36 @@ def chunk_bwd_dqk_kernel(
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = col_mask(o_k, K, BK)
-        # dQt = dO S^T, dKend = E dS'^T, and rowsum(dS' * S) for the state decay
+        # the terms are added as they come, each tile dropped after its last use, so that few [BT, BK] tiles are
+        # live at a time (the kernel spilled kilobytes of registers per thread when all of them were)
+        daq, dak, dbk, dbeta_kk = pairwise_bwd(q, k, Gam, beta, dMqk, dMkk, tok0, count, i_h, i_hv, H, HV, scale,
+                                               o_k, m_k, K, BK, NB, BC, BT, PREC, DT)  # fmt: skip
+        db += dbeta_kk
+        qq = load2(q + i_h * K, tok, m, H * K, o_k, m_k, DT)  # [BT, BK]
+        kk = load2(k + i_h * K, tok, m, H * K, o_k, m_k, DT)
+        dq_t = daq
+        dk_t = dak + dbk
+        dGam = qq * daq + kk * (dak - dbk)
+        # dQt = dO S^T
         dQt = tl.zeros((BT, BK), dtype=DT)
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = col_mask(o_v, V, BV)
+            h = tl.load(Hin + s_off + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
+                        other=0.0).to(DT)  # [BK, BV]
+            do = load2(dO + i_hv * V, tok, m, HV * V, o_v, m_v, DT)  # [BT, BV]
+            dQt += mm(do, tl.trans(h), PREC, DT)
+        Gm = load2(Gam + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
+        eG = tl.exp(Gm)  # Gam <= 0 and Gam_last - Gam <= 0: both at most 1 (padding rows load 0 and drop out)
+        sdQt = scale * eG * dQt
+        dq_t += sdQt
+        dGam += qq * sdQt
+        store2(dq + i_hv * K, tok, m, HV * K, o_k, m_k, dq_t)
+        dkt = load2(dKt + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
+        edkt = eG * dkt
+        dk_t += edkt
+        dGam += kk * edkt
+        # dKend = E dS'^T, and rowsum(dS' * S) for the state decay
         dKe = tl.zeros((BT, BK), dtype=DT)
         dsh = tl.zeros((BK,), dtype=DT)
         for i_v in range(tl.cdiv(V, BV)):
@@ -132,33 +170,20 @@ def chunk_bwd_dqk_kernel(
             m_v = col_mask(o_v, V, BV)
             m_s = m_k[:, None] & m_v[None, :]
             p_s = s_off + o_k[:, None] * V + o_v[None, :]
-            h = tl.load(Hin + p_s, mask=m_s, other=0.0).to(DT)  # [BK, BV]
+            h = tl.load(Hin + p_s, mask=m_s, other=0.0).to(DT)
             dsp = tl.load(dSp + p_s, mask=m_s, other=0.0).to(DT)
-            do = load2(dO + i_hv * V, tok, m, HV * V, o_v, m_v, DT)  # [BT, BV]
             e = load2(E + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
-            dQt += mm(do, tl.trans(h), PREC, DT)
             dKe += mm(e, tl.trans(dsp), PREC, DT)
             dsh += tl.sum(dsp * h, axis=1)
-        qq = load2(q + i_h * K, tok, m, H * K, o_k, m_k, DT)  # [BT, BK]
-        kk = load2(k + i_h * K, tok, m, H * K, o_k, m_k, DT)
-        Gm = load2(Gam + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
-        dkt = load2(dKt + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
         gl = tl.load(Gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(DT)
-        eG = tl.exp(Gm)  # Gam <= 0 and Gam_last - Gam <= 0: both at most 1 (padding rows load 0 and drop out)
         eE = tl.exp(gl[None, :] - Gm)
-        daq, dak, dbk, dbeta_kk = pairwise_bwd(q, k, Gam, beta, dMqk, dMkk, tok0, count, i_h, i_hv, H, HV, scale,
-                                               o_k, m_k, K, BK, NB, BC, BT, PREC, DT)  # fmt: skip
-        db += dbeta_kk
         Ke = kk * eE
-        dq_t = daq + scale * eG * dQt
-        dk_t = dak + dbk + eG * dkt + eE * dKe
-        dGam = qq * daq + kk * (dak - dbk) + scale * qq * eG * dQt + kk * eG * dkt - Ke * dKe
+        dk_t += eE * dKe
+        dGam -= Ke * dKe
+        store2(dk + i_hv * K, tok, m, HV * K, o_k, m_k, dk_t)
         dGl = tl.sum(Ke * dKe, axis=0) + tl.exp(gl) * dsh
         dGam += tl.where(rows[:, None] == BT - 1, dGl[None, :], 0.0)
-        dg_t = tl.cumsum(dGam, axis=0, reverse=True)
-        store2(dq + i_hv * K, tok, m, HV * K, o_k, m_k, dq_t)
-        store2(dk + i_hv * K, tok, m, HV * K, o_k, m_k, dk_t)
-        store2(dg + i_hv * K, tok, m, HV * K, o_k, m_k, dg_t)
+        store2(dg + i_hv * K, tok, m, HV * K, o_k, m_k, tl.cumsum(dGam, axis=0, reverse=True))
     tl.store(dbeta + tok * HV + i_hv, db.to(dbeta.dtype.element_ty), mask=m)
 
 
@@ -199,7 +224,7 @@ def chunk_bwd_dqk(
     chunk_bwd_dqk_kernel[(NC, HV)](
         contiguous(q), contiguous(k), Gam, Gl, contiguous(beta), dMqk, dMkk, dKt, Hin, contiguous(E), dSp,
         contiguous(dO), dbeta_partial, dq, dk, dg, dbeta, slots.start, slots.count, float(scale), H, HV,
-        K=K, V=V, BK=min(pow2(K), 32), BV=min(pow2(V), 64), NB=NB, BC=BC, BT=BT, PREC=prec,
+        K=K, V=V, BK=min(pow2(K), 32), BV=min(pow2(V), 32), NB=NB, BC=BC, BT=BT, PREC=prec,
         DT=compute_dtype(Hin), num_stages=1,
     )  # fmt: skip
     return dq, dk, dg, dbeta

@@ -120,7 +120,7 @@ def chunk_bwd_dv(
     chunk_bwd_dv_kernel[(NC, HV)](
         contiguous(k), contiguous(v), contiguous(g), contiguous(beta), contiguous(Tm), Hin, contiguous(E),
         contiguous(dE), contiguous(dO), dv, dbeta, dMqk, dMkk, dKt, Gam, slots.start, slots.count, H, HV,
-        K=K, V=V, BK=min(pow2(K), 64), BV=min(pow2(V), 64), BT=BT, PREC=prec, PREC_T=prec_t,
+        K=K, V=V, BK=min(pow2(K), 32), BV=min(pow2(V), 32), BT=BT, PREC=prec, PREC_T=prec_t,
         DT=compute_dtype(Hin), num_stages=1,
     )  # fmt: skip
     return dv, dbeta, dMqk, dMkk, dKt, Gam

@@ -43,13 +43,15 @@ class Recomputed:
 
 
 def recompute_precision(dtype: torch.dtype) -> Precision:
-    """The forward stages' precision in the backward: fp32 storage always; 16-bit inputs take tf32 products
-    (the forward's defaults would store bf16 factors and multiply in bf16, which the gradients compound)."""
+    """The forward stages' precision in the backward: fp32 storage always; 16-bit inputs take tf32 products and the
+    solve's merges in 3xTF32, as in the forward (the forward's defaults would store bf16 factors, which the
+    gradients compound). Exact fp32 merges (``"ieee"``) compile for sm_90 to CUDA-core products that spilled 816 bytes
+    per thread (ptxas, K = V = 128); 3xTF32 spills none."""
     if dtype == torch.float64:
         return Precision(store=torch.float64)
     if dtype == torch.float32:
         return Precision(scan="tf32x3", output="tf32x3", store=torch.float32)
-    return Precision("tf32", "ieee", "tf32", "tf32", "tf32", torch.float32)
+    return Precision("tf32", "tf32x3", "tf32", "tf32", "tf32", torch.float32)
 
 
 def chunk_bwd_recompute(

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kda_ops.triton.chunk_common import BT, col_mask, compute_dtype, contiguous, load2, mm, pow2, store2
+from kda_ops.triton.chunk_common import BT, col_mask, compute_dtype, contiguous, launch, load2, mm, pow2, store2
 from kda_ops.triton.chunk_state import chunk_offsets, scan_block_v
 from kda_ops.triton.debug import poison
 
@@ -102,7 +102,7 @@ def chunk_bwd_scan(
         contiguous(dO), contiguous(Mqk), contiguous(Qt), contiguous(Kend), contiguous(W), Gl,
         None if dht is None else contiguous(dht), dSp, dE, dh0, cu, offsets, HV,
         K=K, V=V, BK=pow2(K), BV=BV, BT=BT, USE_DHT=dht is not None, STORE_DH0=store_dh0, PREC=prec,
-        DT=compute_dtype(Gl), num_stages=1,
+        DT=compute_dtype(Gl), **launch("scan"),
     )  # fmt: skip
     return dE, dSp, dh0
 
