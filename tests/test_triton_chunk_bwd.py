@@ -242,3 +242,25 @@ def test_autograd_matches_naive(option: str, gates: str, HV: int) -> None:
         assert_rel(grad, ref, 2e-4, f"d{name}")
     assert h0.grad is not None and h0d.grad is not None
     assert_rel(h0.grad, h0d.grad, 2e-4, "dh0")
+
+
+@pytest.mark.parametrize("K", [64, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_l2norm_and_its_gradient(K: int, dtype: torch.dtype) -> None:
+    """The one-pass l2norm kernels against the oracle's formula and autograd of it (float64), rows past a
+    program's block and a zero row included."""
+    from kda_ops.reference.gates import l2norm as l2norm_ref
+    from kda_ops.triton.l2norm import l2norm, l2norm_bwd
+
+    x = torch.randn(3, 7, K, dtype=F64)
+    x[1, 2] = 0.0
+    dy = torch.randn(3, 7, K, dtype=F64)
+    xd = x.to(dtype)
+    y = l2norm(xd, torch.float32)
+    dx = l2norm_bwd(xd, dy.float())
+    xr = xd.to(F64).requires_grad_()
+    yr = l2norm_ref(xr)
+    (dxr,) = torch.autograd.grad(yr, xr, dy)
+    assert y.dtype == torch.float32 and dx.dtype == torch.float32
+    assert_rel(y, yr.detach(), 1e-6)
+    assert_rel(dx, dxr, 1e-5)

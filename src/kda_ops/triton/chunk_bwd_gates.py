@@ -1,5 +1,6 @@
-"""The in-kernel input transforms of the chunk backward, in PyTorch: applied before the backward kernels, and their
-gradients chained after them (``backward.md``, "Option gradients").
+"""The in-kernel input transforms of the chunk backward, in PyTorch (the l2norm in one Triton pass each way,
+:mod:`kda_ops.triton.l2norm`): applied before the backward kernels, and their gradients chained after them
+(``backward.md``, "Option gradients").
 
 The backward kernels work on *prepared* tensors (l2-normalised q and k, the log decay g, the transformed beta, all
 in the compute dtype), so one set of kernels serves every option. These are elementwise and row-wise torch ops on
@@ -14,12 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kda_ops.common import Options
-
-L2NORM_EPS = 1e-6
-
-
-def _rnorm(x: Tensor) -> Tensor:
-    return torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+from kda_ops.triton.l2norm import l2norm, l2norm_bwd
 
 
 def _gate_args(x: Tensor, A_log: Tensor | None, dt_bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
@@ -35,9 +31,9 @@ def prepare(
     dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """``(q, k, g, beta)`` after the options, in ``dtype`` (any leading shape; q, k ``[..., H, K]``)."""
-    q, k, g, beta = q.to(dtype), k.to(dtype), g.to(dtype), beta.to(dtype)
     if opts.use_qk_l2norm:
-        q, k = q * _rnorm(q), k * _rnorm(k)
+        q, k = l2norm(q, dtype), l2norm(k, dtype)  # one pass each (kda_ops.triton.l2norm)
+    q, k, g, beta = q.to(dtype), k.to(dtype), g.to(dtype), beta.to(dtype)
     if opts.use_gate:
         z0, a = _gate_args(g, A_log, dt_bias)
         if opts.lower_bound is None:
@@ -62,14 +58,7 @@ def prepare_bwd(
     """
     dtype = dq.dtype
     if opts.use_qk_l2norm:
-
-        def l2_bwd(x: Tensor, dy: Tensor) -> Tensor:
-            x = x.to(dtype)
-            r = _rnorm(x)
-            y = x * r
-            return r * (dy - y * (y * dy).sum(-1, keepdim=True))
-
-        dq, dk = l2_bwd(q, dq), l2_bwd(k, dk)
+        dq, dk = l2norm_bwd(q, dq), l2norm_bwd(k, dk)
     dA: Tensor | None = None
     ddt: Tensor | None = None
     if opts.use_gate:
