@@ -91,8 +91,9 @@ def chunk_bwd(
                                                           prec_t)  # fmt: skip
         dq_v, dk_v, zg, zb = chunk_bwd_dqk(qp, kp, Gam, fw.Gl, bp, dMqk, dMkk, dKt, fw.Hin, fw.E, dSp, dO, dbeta_p,
                                            scale, slots, prec)  # fmt: skip
-        zq = dq_v.view(B * T, H, G, K).sum(2)
-        zk = dk_v.view(B * T, H, G, K).sum(2)
+        # a group's value heads share their q/k head (without groups the view is the sum: no pass over the tensor)
+        zq = dq_v if G == 1 else dq_v.view(B * T, H, G, K).sum(2)
+        zk = dk_v if G == 1 else dk_v.view(B * T, H, G, K).sum(2)
         dh0 = dh0_ if dh0_ is not None else dSp.new_empty(0)
     dq, dk, dg, dbeta, dA, ddt = prepare_bwd(qf, kf, gf, bf, A_log, dt_bias, opts, zq, zk, zg, zb)
     return (
