@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kda_ops.triton.chunk_common import BT, col_mask, compute_dtype, contiguous, launch, load2, mm, pow2, store2
+from kda_ops.triton.chunk_common import BT, cdiv, col_mask, compute_dtype, contiguous, launch, load2, mm, pow2, store2
 from kda_ops.triton.chunk_state import chunk_offsets, scan_block_v
 from kda_ops.triton.debug import poison
 
@@ -98,7 +98,7 @@ def chunk_bwd_scan(
     poison(dE, dSp, dh0)
     BV = scan_block_v(V, N * HV, dO.device)
     offsets = chunk_offsets(cu) if offsets is None else offsets
-    chunk_bwd_scan_kernel[(triton.cdiv(V, BV), N * HV)](
+    chunk_bwd_scan_kernel[(cdiv(V, BV), N * HV)](
         contiguous(dO), contiguous(Mqk), contiguous(Qt), contiguous(Kend), contiguous(W), Gl,
         None if dht is None else contiguous(dht), dSp, dE, dh0, cu, offsets, HV,
         K=K, V=V, BK=pow2(K), BV=BV, BT=BT, USE_DHT=dht is not None, STORE_DH0=store_dh0, PREC=prec,

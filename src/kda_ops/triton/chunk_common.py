@@ -83,8 +83,15 @@ def contiguous(x: Tensor) -> Tensor:
 
 
 def pow2(n: int, lo: int = 16) -> int:
-    """``next_power_of_2(n)``, at least ``lo`` (``tl.dot`` needs every dimension >= 16)."""
-    return max(lo, triton.next_power_of_2(n))
+    """``next_power_of_2(n)``, at least ``lo`` (``tl.dot`` needs every dimension >= 16). Plain Python, as is
+    :func:`cdiv`: Triton's own helpers are constexpr functions that cost microseconds a call from host code, about
+    a dozen of them per forward call."""
+    return max(lo, 1 << (n - 1).bit_length()) if n > 0 else lo
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host code (see :func:`pow2`)."""
+    return -(-a // b)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kda_ops.common import Options
-from kda_ops.triton.chunk_common import BT, col_mask, compute_dtype, contiguous, launch, pow2, slot_rows, store2
+from kda_ops.triton.chunk_common import BT, cdiv, col_mask, compute_dtype, contiguous, launch, pow2, slot_rows, store2
 from kda_ops.triton.debug import poison
 from kda_ops.varlen import SlotRows
 
@@ -133,7 +133,7 @@ def chunk_local_cumsum(
     Gl = g.new_empty(NC, HV, K, dtype=dtype)
     poison(Gam, Gl)
     BK = min(pow2(K), 64)
-    chunk_cumsum_kernel[(NC, HV, triton.cdiv(K, BK))](
+    chunk_cumsum_kernel[(NC, HV, cdiv(K, BK))](
         contiguous(g), A_log, dt_bias, Gam, Gl, slots.start, slots.count,
         0.0 if opts.lower_bound is None else float(opts.lower_bound), HV,
         K=K, BK=BK, BT=BT, DT=compute_dtype(g), **gate_flags(opts, A_log, dt_bias), **launch("cumsum"),

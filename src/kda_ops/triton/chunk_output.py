@@ -16,6 +16,7 @@ from torch import Tensor
 from kda_ops.triton.chunk_common import (
     BT,
     Precision,
+    cdiv,
     col_mask,
     compute_dtype,
     contiguous,
@@ -83,7 +84,7 @@ def chunk_output(
     poison(o)
     cfg = launch("output", BV=V)
     _launch_output(
-        (NC, triton.cdiv(V, cfg["BV"]), HV),
+        (NC, cdiv(V, cfg["BV"]), HV),
         (contiguous(Qt), contiguous(Mqk), contiguous(Hin), contiguous(E), o, slots.start, slots.count, HV),
         dict(K=K, V=V, BK=pow2(K), BT=BT, PREC=precision.output, DT=compute_dtype(Hin), **cfg),
     )  # fmt: skip

@@ -29,6 +29,7 @@ from torch import Tensor
 from kda_ops.triton.chunk_common import (
     BT,
     Precision,
+    cdiv,
     col_mask,
     compute_dtype,
     contiguous,
@@ -73,7 +74,7 @@ def scan_block_v(V: int, programs: int, device: torch.device) -> int:
         return BV_OVERRIDE
     choices = block_v_choices(V)
     for bv in choices:
-        if triton.cdiv(V, bv) * programs >= MIN_PROGRAMS_PER_SM * _num_sms(device):
+        if cdiv(V, bv) * programs >= MIN_PROGRAMS_PER_SM * _num_sms(device):
             return bv
     return choices[-1]
 
@@ -187,7 +188,7 @@ def chunk_state(
     BV = scan_block_v(V, N * HV, W.device)
     offsets = chunk_offsets(cu) if offsets is None else offsets
     _launch_scan(
-        (N * HV * triton.cdiv(V, BV),),
+        (N * HV * cdiv(V, BV),),
         (contiguous(W), contiguous(U), contiguous(Kend), Gl, h0, final, Qt, Mqk, o, Hin, E, cu, offsets, HV),
         dict(K=K, V=V, BK=pow2(K), BV=BV, BT=BT, USE_H0=h0 is not None, STORE_FINAL=final is not None,
              FUSE_OUTPUT=outputs is not None, STORE_STATES=store_states, PREC_SCAN=precision.scan,

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kda_ops.triton.chunk_common import compute_dtype, contiguous, pow2
+from kda_ops.triton.chunk_common import cdiv, compute_dtype, contiguous, pow2
 
 L2NORM_EPS = 1e-6
 ROWS = 16  # rows per program
@@ -46,7 +46,7 @@ def _launch(x: Tensor, dy: Tensor | None, dtype: torch.dtype) -> Tensor:
     R = x.numel() // K if K else 0
     if R == 0:
         return out
-    _l2norm_kernel[(triton.cdiv(R, ROWS),)](
+    _l2norm_kernel[(cdiv(R, ROWS),)](
         x, x if dy is None else contiguous(dy), out, R, K=K, BK=pow2(K), BR=ROWS, BACKWARD=dy is not None,
         EPS=L2NORM_EPS, DT=compute_dtype(out), num_warps=4,
     )  # fmt: skip
