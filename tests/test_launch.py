@@ -57,3 +57,11 @@ def test_constexpr_tail() -> None:
     assert ok._constexpr_tail({"num_warps": 2}) is None  # a constexpr left to its default
     mixed = launch.Launcher(SimpleNamespace(params=[param("x", False), param("B", True), param("n", False)]))
     assert mixed._constexpr_tail({"B": 4}) is None
+
+
+def test_two_entries_per_argument() -> None:
+    """Fixed width: an optional tensor given or left None never shifts the entries of the arguments after it."""
+    t = torch.zeros(4)
+    assert len(key(None, 0.5, 7, t)) == 8
+    assert key(None, 3) != key(t, 3)
+    assert key(0.5, 0) != key(0, 0.5)

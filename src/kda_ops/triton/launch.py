@@ -33,8 +33,8 @@ from kda_ops.triton.chunk_common import interpreting
 
 
 def _arg_key(args: Sequence[Any]) -> tuple[Any, ...] | None:
-    """The launch key's part for the runtime arguments (see the module docstring); None for an argument it does not
-    classify (Triton's own path takes those launches)."""
+    """The launch key's part for the runtime arguments (see the module docstring), two entries per argument whatever
+    its kind; None for an argument it does not classify (Triton's own path takes those launches)."""
     key: list[Any] = []
     for x in args:
         if type(x) is Tensor:
@@ -42,6 +42,7 @@ def _arg_key(args: Sequence[Any]) -> tuple[Any, ...] | None:
             key.append(x.data_ptr() & 15)
         elif x is None or type(x) is float:
             key.append(x is None)
+            key.append(None)
         elif type(x) is int and -(2**63) <= x < 2**63:
             key.append((x & 15) + (0 if -(2**31) <= x < 2**31 else 16))
             key.append(x == 1)
