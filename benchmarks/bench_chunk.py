@@ -323,11 +323,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="no T sweep, no T = 32768 error")
     parser.add_argument("--precision-sweep", action="store_true")
     parser.add_argument("--sweep-bv", action="store_true")
+    parser.add_argument("--skip-fla", action="store_true",
+                        help="leave fla out (its first call at each new shape autotunes for a long time)")  # fmt: skip
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_chunk: needs a CUDA GPU")
 
-    fla_fn, fla_note = load_fla(args.wheels)
+    fla_fn, fla_note = (None, "fla skipped") if args.skip_fla else load_fla(args.wheels)
     print(fla_note, file=sys.stderr)
     bw = copy_bandwidth()
     print("shapes", file=sys.stderr)
