@@ -167,8 +167,9 @@ def _forward(op: str, ref: Callable[..., tuple[Tensor, Tensor]]) -> Any:
     ) -> tuple[Tensor, Tensor]:
         return forward_outputs(q, v, cu_seqlens, output_final_state)
 
-    for key in ("CPU", "CUDA"):
-        _lib.impl(op, fwd, key)
+    # every backend, as custom_op registers it (CUDA and the CPU pick their kernel above; other devices run the
+    # reference); fake tensors take the fake function below
+    _lib.impl(op, fwd, "CompositeExplicitAutograd")
     torch.library.register_fake(f"kda::{op}", fake, lib=_lib)
     return getattr(torch.ops.kda, op).default
 
