@@ -62,6 +62,31 @@ def host_us(fn: Callable[[], Any], iters: int = 500, rounds: int = 5) -> float:
     return best
 
 
+def capture(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``fn`` captured once in a CUDA graph (after three warm-up calls on a side stream) and the output it wrote."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    torch.cuda.synchronize()
+    return graph, out
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s: (read + written) / do_bench median time of a 1 GiB copy."""
+    from triton.testing import do_bench
+
+    src = torch.empty(2**28, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    ms = float(do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median"))
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
 def cold_us(fn: Callable[[], Any], reps: int = 200, flush_bytes: int = 2**28) -> float:
     """Median GPU µs of ``fn`` with the L2 cache evicted before each repetition by *reading* a buffer larger than it.
 

@@ -100,13 +100,6 @@ def gpu_ms(fn: Callable[[], Any]) -> float:
         return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s: (read + written) / median time of a 1 GiB copy."""
-    src = torch.empty(2**28, dtype=torch.float32, device=DEV).uniform_()
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * src.element_size() / (gpu_ms(lambda: dst.copy_(src)) * 1e-3)
-
-
 def kda_flops(B: int, T: int, H: int) -> float:
     chunks = B * H * triton.cdiv(T, C)
     return chunks * (6 * C * C * D + 4 * C * C * D + 6 * C * D * D + 2 * C**3 / 3)
@@ -331,7 +324,7 @@ def main() -> None:
 
     fla_fn, fla_note = (None, "fla skipped") if args.skip_fla else load_fla(args.wheels)
     print(fla_note, file=sys.stderr)
-    bw = copy_bandwidth()
+    bw = _bench.copy_bandwidth()
     print("shapes", file=sys.stderr)
     rows = []
     for B, T, H in SHAPES:

@@ -56,27 +56,13 @@ def wall_ms(fn: Callable[[], Any], iters: int = 200) -> float:
     return statistics.median(times) * 1e3
 
 
-def graphed(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
-    """``fn`` captured once (after warm-up calls on a side stream) and its output tensors."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
 def measure(name: str, fn: Callable[[], Any]) -> dict[str, Any]:
     with torch.no_grad():
         ref = fn()
         torch.cuda.synchronize()
         eager_wall = wall_ms(fn)
         eager_gpu = float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
-        graph, out = graphed(fn)
+        graph, out = _bench.capture(fn)
         graph.replay()
         torch.cuda.synchronize()
         same = all(torch.equal(a, b) for a, b in zip(out, ref, strict=True))

@@ -60,29 +60,6 @@ def gpu_us(fn: Callable[[], Any]) -> float:
     return float(do_bench(fn, warmup=50, rep=300, return_mode="median")) * 1e3
 
 
-def capture(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
-    """``fn`` captured once in a CUDA graph, after a warm-up on a side stream."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s: (read + written) / median time of a 1 GiB copy."""
-    src = torch.empty(2**28, dtype=torch.float32, device=DEV).uniform_()
-    dst = torch.empty_like(src)
-    t = gpu_us(lambda: dst.copy_(src)) * 1e-6
-    return 2 * src.numel() * src.element_size() / t
-
-
 def decode_inputs(B: int) -> dict[str, Any]:
     x = make_inputs(B, 1, H, K, V, HV=HV, dtype=torch.bfloat16, device=DEV, seed=B)
     x["h0"] = make_state(B, HV, K, V, device=DEV)
@@ -117,7 +94,7 @@ def measure(name: str, fn: Callable[[], Any]) -> dict[str, float | str]:
         with torch.inference_mode():
             res["wall_inf"] = _bench.host_us(fn)
         try:
-            graph = capture(fn)
+            graph, _ = _bench.capture(fn)
             res["graph"] = gpu_us(graph.replay)
             res["cold"] = _bench.cold_us(graph.replay)
         except Exception as e:  # noqa: BLE001 - a peer that cannot be captured is reported, not fatal
@@ -193,7 +170,7 @@ def sweep(batches: tuple[int, ...]) -> str:
                         fn = workloads(inputs[B], None)["serving"]
                         with torch.no_grad():
                             fn()
-                            cells.append(f"{gpu_us(capture(fn).replay):.1f}")
+                            cells.append(f"{gpu_us(_bench.capture(fn)[0].replay):.1f}")
                     except Exception as e:  # noqa: BLE001
                         cells.append(f"failed ({type(e).__name__})")
                 lines.append(f"| {BV} | {nw} | " + " | ".join(cells) + " |")
@@ -242,7 +219,7 @@ def main() -> None:
 
     fla_fn, fla_note = load_fla(args.wheels)
     print(fla_note, file=sys.stderr)
-    bw = copy_bandwidth()
+    bw = _bench.copy_bandwidth()
     header = [
         f"# Decode step (recurrent KDA), {datetime.date.today().isoformat()}",
         "",

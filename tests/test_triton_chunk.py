@@ -155,28 +155,27 @@ def test_stage_intra(dtype: torch.dtype, gates: str, option: str) -> None:
     assert_rel(got[4][used], ref[4][used], 1e-5, "Gam_last")  # the gate in fp32
 
 
-def test_stage_intra_pairwise_path_equals_factored(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the factored diagonal blocks switched off, the exact pairwise path gives the same matrices."""
+@pytest.mark.parametrize(
+    ("span", "names", "tol"),
+    [
+        # the factored diagonal blocks switched off: the exact pairwise path
+        ("FACTOR_SPAN", ("Mqk", "Mkk"), 1e-6),
+        # every chunk flagged for the second (block-path) pass: two fp32 factorings of the same decays
+        ("ANCHOR_SPAN", ("Mqk", "Mkk", "Qt", "Kend"), 1e-5),
+    ],
+    ids=["pairwise_path_equals_factored", "block_pass_equals_anchored_pass"],
+)
+def test_stage_intra_paths_agree(span: str, names: tuple[str, ...], tol: float,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Switching a factoring off (its span limit below 0) sends the chunks down the other path: same matrices."""
     c = _stage_case(torch.float32, "normal", "l2norm")
     f = c["flat"]
     args = (f["q"], f["k"], f["g"], f["beta"], 0.4, c["slots"], c["A_log"], c["dt_bias"], c["opts"], EXACT)
-    factored = ti.chunk_intra(*args)
-    monkeypatch.setattr(ti, "FACTOR_SPAN", -1.0)
-    pairwise = ti.chunk_intra(*args)
-    for name, a, b in zip(("Mqk", "Mkk"), factored[:2], pairwise[:2]):
-        assert_rel(a, b, 1e-6, name)
-
-
-def test_stage_intra_block_pass_equals_anchored_pass(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every chunk flagged for the second (block-path) pass gives the matrices of the anchored pass."""
-    c = _stage_case(torch.float32, "normal", "l2norm")
-    f = c["flat"]
-    args = (f["q"], f["k"], f["g"], f["beta"], 0.4, c["slots"], c["A_log"], c["dt_bias"], c["opts"], EXACT)
-    anchored = ti.chunk_intra(*args)
-    monkeypatch.setattr(ti, "ANCHOR_SPAN", -1.0)
-    blocks = ti.chunk_intra(*args)
-    for name, a, b in zip(("Mqk", "Mkk", "Qt", "Kend"), anchored[:4], blocks[:4]):
-        assert_rel(a, b, 1e-5, name)  # two fp32 factorings of the same decays
+    default = ti.chunk_intra(*args)
+    monkeypatch.setattr(ti, span, -1.0)
+    other = ti.chunk_intra(*args)
+    for name, a, b in zip(names, default, other):
+        assert_rel(a, b, tol, name)
 
 
 def test_launch_configuration_caps_tiles_at_the_head_dimension() -> None:

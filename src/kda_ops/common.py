@@ -11,6 +11,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+# The l2norm of q and k: x / sqrt(sum(x * x) + L2NORM_EPS), in the reference and every kernel.
+L2NORM_EPS = 1e-6
+
 
 @dataclass(frozen=True)
 class Options:

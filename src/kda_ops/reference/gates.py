@@ -17,9 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kda_ops.common import Options
-
-L2NORM_EPS = 1e-6
+from kda_ops.common import L2NORM_EPS, Options
 
 
 def l2norm(x: Tensor) -> Tensor:

@@ -17,9 +17,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kda_ops.common import L2NORM_EPS
 from kda_ops.triton.chunk_common import cdiv, compute_dtype, contiguous, pow2
 
-L2NORM_EPS = 1e-6
 ROWS = 16  # rows per program
 
 

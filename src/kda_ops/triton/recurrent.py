@@ -29,6 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kda_ops.common import Options, forward_outputs
+from kda_ops.triton.chunk_common import contiguous, pow2
 from kda_ops.triton.debug import poison
 from kda_ops.triton.launch import Launcher
 
@@ -45,19 +46,10 @@ ELEMENTS_PER_WARP = 4096  # state elements per warp: 128 fp32 registers per thre
 @functools.cache
 def launch_config(K: int, V: int) -> tuple[int, int, int]:
     """``(BK, BV, num_warps)`` for head dimensions ``K, V`` (plain Python: triton's helpers cost microseconds)."""
-    BK = 1 << (K - 1).bit_length()
-    BV = min(1 << (V - 1).bit_length(), BV_MAX)
+    BK = pow2(K, 1)
+    BV = min(pow2(V, 1), BV_MAX)
     num_warps = min(8, max(1, BK * BV // ELEMENTS_PER_WARP))
     return BK, BV, num_warps
-
-
-def compute_dtype(x: Tensor) -> Any:
-    """The Triton accumulation type: fp64 for fp64 inputs (exact checks), fp32 otherwise."""
-    return tl.float64 if x.dtype == torch.float64 else tl.float32
-
-
-def contiguous(x: Tensor) -> Tensor:
-    return x if x.is_contiguous() else x.contiguous()
 
 
 # ------------------------------------------------------------------------------------------- jit helpers

@@ -34,11 +34,10 @@ import triton.language as tl
 from torch import Tensor
 
 from kda_ops.common import Options, state_dtype
+from kda_ops.triton.chunk_common import compute_dtype, contiguous
 from kda_ops.triton.debug import poison
 from kda_ops.triton.recurrent import (
     beta_forward,
-    compute_dtype,
-    contiguous,
     gate_forward,
     l2norm_rows,
     launch_config,
