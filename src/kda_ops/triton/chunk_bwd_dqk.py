@@ -11,7 +11,16 @@ One program per (chunk slot, value head) walks the key tiles. Per tile (``backwa
     dGam_last += sum_i Kend_i dKend_i + exp(Gam_last) rowsum(dS' * S)
     dg   = reverse cumulative sum of dGam within the chunk
 
-Pairwise products ``X[i,j] = sum_d a_id b_jd exp(Gam_id - Gam_jd)`` (``j <= i``), per 16-row block pair:
+Pairwise products ``X[i,j] = sum_d a_id b_jd exp(Gam_id - Gam_jd)`` (``j <= i``) take one of two passes, as in the
+forward's stage 2 (:mod:`~kda_ops.triton.chunk_intra`):
+
+- **anchored** (the usual case: every ``|Gam_i - Gam_mid| <= ANCHOR_SPAN`` over the chunk's rows, ``mid = 31``):
+  ``R = e^{Gam - Gam_mid}``, ``da = (dX (b e^{-E})) R``, ``db = (dX^T (a R)) e^{-E}``: four tensor-core products
+  ``[BT, BT] x [BT, BK]`` per key tile. Every factor stays within ``e^{+-80}``; ``dX`` is zero above the diagonal,
+  so no future pair contributes. Measured on the H200 (triton 3.6, 2026-11-29, B1 T32768 H32 bf16): the stage took
+  16.7 ms with the block pass for every chunk.
+- **block** (a chunk beyond the span, flagged by the first pass; a second launch takes only those), per 16-row
+  block pair:
 
 - diagonal blocks elementwise, ``exp(Gam_i - Gam_j)`` with ``j <= i`` only (exponent <= 0), one column ``j`` at a
   time: ``[BC, BK]`` temporaries, where the ``[BC, BC, BK]`` form of all columns at once spilled ~2.5 KB of
@@ -26,11 +35,13 @@ Every exponent is clamped at 0 before ``exp``, so padding rows (whose loads are 
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from kda_ops.triton.chunk_common import (
+    ANCHOR_SPAN,
     BC,
     BT,
     NB,
@@ -38,6 +49,7 @@ from kda_ops.triton.chunk_common import (
     compute_dtype,
     contiguous,
     load2,
+    max2,
     mm,
     pow2,
     slot_rows,
@@ -45,6 +57,10 @@ from kda_ops.triton.chunk_common import (
 )
 from kda_ops.triton.debug import poison
 from kda_ops.varlen import SlotRows
+
+# Warps of the (anchored, block) passes. ptxas for sm_90 (K = V = 128, bf16): the anchored pass spills 688 bytes
+# per thread with 4 warps and 96 with 8; the block pass 168 with 4 and none with 8 (`python tests/_sm90_compile.py`).
+NUM_WARPS = (8, 4)
 
 
 @triton.jit
@@ -116,18 +132,60 @@ def pairwise_bwd(q, k, Gam, beta, dMqk, dMkk, tok0, count, i_h, i_hv, H, HV, sca
 
 
 @triton.jit
+def anchored_bwd(qq, kk, G, Gmid, dMqk, dMkk, beta, tok, m, i_hv, HV, scale, BT: tl.constexpr, PREC: tl.constexpr,
+                 DT: tl.constexpr, SPAN: tl.constexpr):
+    """:func:`pairwise_bwd`'s four results for one key tile ``[BT, BK]`` by the anchored factors (module docstring):
+    ``G`` the tile's Gam and ``Gmid [BK]`` its anchor row. ``dMqk``, ``dMkk`` are read per tile (from cache): kept
+    across the tiles, the two ``[BT, BT]`` blocks spilled 304 bytes per thread (ptxas, sm_90, K = V = 128)."""
+    cols = tl.arange(0, BT)
+    m_c = col_mask(cols, BT, BT)
+    E = tl.where(m[:, None], G - Gmid[None, :], 0.0)  # padding rows: factors 1, their X rows and columns are 0
+    R = tl.exp(tl.minimum(E, SPAN))
+    kR = kk * tl.exp(tl.minimum(-E, SPAN))
+    b = tl.load(beta + tok * HV + i_hv, mask=m, other=0.0).to(DT)
+    Xq = load2(dMqk + i_hv * BT, tok, m, HV * BT, cols, m_c, DT) * scale
+    daq = mm(Xq, kR, PREC, DT) * R
+    dbk = mm(tl.trans(Xq), qq * R, PREC, DT)
+    Xk = load2(dMkk + i_hv * BT, tok, m, HV * BT, cols, m_c, DT)
+    dak = mm(Xk, kR, PREC, DT) * R
+    dbk += mm(tl.trans(Xk * b[:, None]), kk * R, PREC, DT)
+    return daq, b[:, None] * dak, dbk * tl.exp(tl.minimum(-E, SPAN)), tl.sum(kk * dak, axis=1)
+
+
+@triton.jit
 def chunk_bwd_dqk_kernel(
-    q, k, Gam, Gl, beta, dMqk, dMkk, dKt, Hin, E, dSp, dO, dbeta_in, dq, dk, dg, dbeta, slot_start, slot_count,
-    scale, H, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
-    BC: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
+    q, k, Gam, Gl, beta, dMqk, dMkk, dKt, Hin, E, dSp, dO, dbeta_in, dq, dk, dg, dbeta, flag, slot_start,
+    slot_count, scale, H, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
+    ASPAN: tl.constexpr, BLOCKS: tl.constexpr,
 ):  # fmt: skip
+    """Two passes over the chunk slots, as stage 2 of the forward. ``BLOCKS = False``: the anchored pass; a chunk
+    with a ``|Gam - Gam_mid|`` beyond ``ASPAN`` is flagged (``flag = 1``) and left alone. ``BLOCKS = True``: the
+    block pass, for the flagged chunks only."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
     if count == 0:
         return
+    p_flag = flag + i_c.to(tl.int64) * HV + i_hv
     tok0 = tl.load(slot_start + i_c).to(tl.int64)
     rows = tl.arange(0, BT)
+    # the anchor row (the forward's: mid = BT / 2 - 1), or the last token of a shorter chunk
+    p_mid = Gam + (tok0 + tl.minimum(BT // 2 - 1, count - 1)) * HV * K + i_hv * K
+    if BLOCKS:
+        if tl.load(p_flag) == 0:
+            return
+    else:
+        ok = True
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_k = col_mask(o_k, K, BK)
+            Gm = load2(Gam + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
+            Gmid = tl.load(p_mid + o_k, mask=m_k, other=0.0).to(DT)
+            ok = ok & (max2(tl.where(m[:, None], tl.abs(Gm - Gmid[None, :]), 0.0)) <= ASPAN)
+        tl.store(p_flag, tl.where(ok, 0, 1).to(flag.dtype.element_ty))
+        if not ok:
+            return
     s_off = (i_c.to(tl.int64) * HV + i_hv) * K * V
     db = tl.load(dbeta_in + tok * HV + i_hv, mask=m, other=0.0).to(DT)
     for i_k in range(tl.cdiv(K, BK)):
@@ -135,11 +193,20 @@ def chunk_bwd_dqk_kernel(
         m_k = col_mask(o_k, K, BK)
         # the terms are added as they come, each tile dropped after its last use, so that few [BT, BK] tiles are
         # live at a time (the kernel spilled kilobytes of registers per thread when all of them were)
-        daq, dak, dbk, dbeta_kk = pairwise_bwd(q, k, Gam, beta, dMqk, dMkk, tok0, count, i_h, i_hv, H, HV, scale,
-                                               o_k, m_k, K, BK, NB, BC, BT, PREC, DT)  # fmt: skip
+        if BLOCKS:
+            daq, dak, dbk, dbeta_kk = pairwise_bwd(q, k, Gam, beta, dMqk, dMkk, tok0, count, i_h, i_hv, H, HV,
+                                                   scale, o_k, m_k, K, BK, NB, BC, BT, PREC, DT)  # fmt: skip
+            qq = load2(q + i_h * K, tok, m, H * K, o_k, m_k, DT)  # [BT, BK]
+            kk = load2(k + i_h * K, tok, m, H * K, o_k, m_k, DT)
+            Gm = load2(Gam + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
+        else:
+            qq = load2(q + i_h * K, tok, m, H * K, o_k, m_k, DT)
+            kk = load2(k + i_h * K, tok, m, H * K, o_k, m_k, DT)
+            Gm = load2(Gam + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
+            Gmid = tl.load(p_mid + o_k, mask=m_k, other=0.0).to(DT)
+            daq, dak, dbk, dbeta_kk = anchored_bwd(qq, kk, Gm, Gmid, dMqk, dMkk, beta, tok, m, i_hv, HV, scale, BT,
+                                                   PREC, DT, ASPAN)  # fmt: skip
         db += dbeta_kk
-        qq = load2(q + i_h * K, tok, m, H * K, o_k, m_k, DT)  # [BT, BK]
-        kk = load2(k + i_h * K, tok, m, H * K, o_k, m_k, DT)
         dq_t = daq
         dk_t = dak + dbk
         dGam = qq * daq + kk * (dak - dbk)
@@ -152,7 +219,6 @@ def chunk_bwd_dqk_kernel(
                         other=0.0).to(DT)  # [BK, BV]
             do = load2(dO + i_hv * V, tok, m, HV * V, o_v, m_v, DT)  # [BT, BV]
             dQt += mm(do, tl.trans(h), PREC, DT)
-        Gm = load2(Gam + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
         eG = tl.exp(Gm)  # Gam <= 0 and Gam_last - Gam <= 0: both at most 1 (padding rows load 0 and drop out)
         sdQt = scale * eG * dQt
         dq_t += sdQt
@@ -220,14 +286,16 @@ def chunk_bwd_dqk(
     dk = q.new_empty(T, HV, K, dtype=dt)
     dg = q.new_empty(T, HV, K, dtype=dt)
     dbeta = q.new_empty(T, HV, dtype=dt)
+    flag = q.new_empty(NC, HV, dtype=torch.int8)
     poison(dq, dk, dg, dbeta)
-    chunk_bwd_dqk_kernel[(NC, HV)](
-        contiguous(q), contiguous(k), Gam, Gl, contiguous(beta), dMqk, dMkk, dKt, Hin, contiguous(E), dSp,
-        contiguous(dO), dbeta_partial, dq, dk, dg, dbeta, slots.start, slots.count, float(scale), H, HV,
-        K=K, V=V, BK=min(pow2(K), 32), BV=min(pow2(V), 32), NB=NB, BC=BC, BT=BT, PREC=prec,
-        DT=compute_dtype(Hin), num_stages=1,
-    )  # fmt: skip
+    for blocks in (False, True):
+        chunk_bwd_dqk_kernel[(NC, HV)](
+            contiguous(q), contiguous(k), Gam, Gl, contiguous(beta), dMqk, dMkk, dKt, Hin, contiguous(E), dSp,
+            contiguous(dO), dbeta_partial, dq, dk, dg, dbeta, flag, slots.start, slots.count, float(scale), H, HV,
+            K=K, V=V, BK=min(pow2(K), 32), BV=min(pow2(V), 32), NB=NB, BC=BC, BT=BT, PREC=prec,
+            DT=compute_dtype(Hin), ASPAN=ANCHOR_SPAN, BLOCKS=blocks, num_warps=NUM_WARPS[blocks], num_stages=1,
+        )  # fmt: skip
     return dq, dk, dg, dbeta
 
 
-__all__ = ["chunk_bwd_dqk", "pairwise_bwd"]
+__all__ = ["anchored_bwd", "chunk_bwd_dqk", "pairwise_bwd"]

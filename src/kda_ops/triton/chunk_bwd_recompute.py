@@ -8,18 +8,20 @@ reruns the forward's stage kernels, keeping what the gradient stages read::
     Hin, E                            (chunk_state with store_states: the state entering each chunk, the errors)
 
 The inputs are prepared in torch (:mod:`~kda_ops.triton.chunk_bwd_gates`), so the stages run without in-kernel
-options. Everything is stored in the compute dtype (fp32): the gradients chain several products of these factors.
+options. ``Tm``, ``Hin`` and ``E`` are stored in the compute dtype (fp32): the gradients chain several products of
+them, as are ``Mqk`` and ``Gam_last``; ``W``, ``Qt`` and ``Kend`` in :func:`recompute_precision`'s storage dtype
+(bf16 for bf16 inputs).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from kda_ops.common import Options
-from kda_ops.triton.chunk_common import Precision
+from kda_ops.triton.chunk_common import Precision, precision_for
 from kda_ops.triton.chunk_intra import chunk_intra
 from kda_ops.triton.chunk_solve import chunk_solve
 from kda_ops.triton.chunk_state import chunk_state
@@ -43,15 +45,24 @@ class Recomputed:
 
 
 def recompute_precision(dtype: torch.dtype) -> Precision:
-    """The forward stages' precision in the backward: fp32 storage always; 16-bit inputs take tf32 products and the
-    solve's merges in 3xTF32, as in the forward (the forward's defaults would store bf16 factors, which the
-    gradients compound). Exact fp32 merges (``"ieee"``) compile for sm_90 to CUDA-core products that spilled 816 bytes
-    per thread (ptxas, K = V = 128); 3xTF32 spills none."""
+    """The forward stages' precision in the backward. fp32 inputs: fp32 storage, exact or 3xTF32 products. 16-bit
+    inputs: the forward's own choice (bf16 factors, bf16 products in the scan, TF32 elsewhere, 3xTF32 merges in the
+    solve), with fp32 factors for fp16 inputs, whose 11 bits bf16 factors would not keep (the interpreter test of the
+    fp16 backward measured dq 3.75e-3 with them against its 2e-3 bound). Exact fp32 merges (``"ieee"``) compile for
+    sm_90 to CUDA-core products that spilled 816 bytes per thread (ptxas, K = V = 128); 3xTF32 spills none.
+
+    Measured on the H200 (triton 3.6, 2026-11-29; B1 H32 bf16, forward + backward at T = 32768, gradient error at T =
+    1000 vs the float64 oracle): fp32 factors with TF32 products everywhere 39.4 ms, 11.03 GB, dq 1.83e-3, dk 1.97e-3,
+    dv 2.01e-3, dg 1.07e-3, dbeta 2.22e-3; bf16 scan products 37.7 ms with the same errors; bf16 factors 36.3 ms, 10.23
+    GB, dq 2.42e-3, dk 2.45e-3, dv 2.45e-3, dg 1.79e-3, dbeta 2.47e-3 (each change alone, before the anchored pass of
+    the dq/dk stage)."""
     if dtype == torch.float64:
         return Precision(store=torch.float64)
     if dtype == torch.float32:
         return Precision(scan="tf32x3", output="tf32x3", store=torch.float32)
-    return Precision("tf32", "tf32x3", "tf32", "tf32", "tf32", torch.float32)
+    if dtype == torch.float16:  # 11-bit inputs: bf16 factors (8 bits) would dominate their error
+        return replace(precision_for(dtype), store=torch.float32)
+    return precision_for(dtype)
 
 
 def chunk_bwd_recompute(

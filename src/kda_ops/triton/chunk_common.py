@@ -49,7 +49,7 @@ LAUNCH: dict[str, dict[str, int]] = {
     "intra": {"num_warps": 4, "num_stages": 1, "BK": 32},
     "solve": {"num_warps": 4, "num_stages": 1, "BK": 64, "BV": 64},
     "scan": {"num_warps": 8, "num_stages": 1},
-    "output": {"num_warps": 4, "num_stages": 1, "BV": 32},
+    "output": {"num_warps": 4, "num_stages": 1, "BV": 64},
 }
 
 
@@ -121,18 +121,21 @@ class Precision:
                 raise ValueError(f"Precision.{f.name}: expected one of {PRECISIONS}, got {value!r}")
 
 
-# Defaults per input dtype. fp32 inputs promise <= 1e-4 relative error: exact fp32 products in the chunk-local
-# stages; 3xTF32 (~2e-7 per product) in the scan and the output, whose exact-fp32 form compiles for sm_90 to a
-# CUDA-core product that spills 8 KB per thread (ptxas, K = V = 128). 16-bit inputs: factors stored in bf16 (half
-# the bytes of the stages' traffic), TF32 products on fp32 operands everywhere but the solve (3xTF32: its merge
-# products compound). Measured on the H200 (triton 3.6, 2026-11-29, B1 T1000 H32, vs the float64 oracle): o 2.81e-3
-# with bf16 storage against 2.44e-3 with fp32 storage (fla-core: 3.3e-3). Not bf16 products in the scan: with
-# triton 3.6 that kernel computes a wrong state (rel. err 1.0) and then faults with an illegal address.
+# Defaults per input dtype. fp32 inputs promise <= 1e-4 relative error: exact fp32 products in the chunk-local stages;
+# 3xTF32 (~2e-7 per product) in the scan and the output, whose exact-fp32 form compiles for sm_90 to a CUDA-core
+# product that spills 8 KB per thread (ptxas, K = V = 128). 16-bit inputs: factors stored in bf16 (half the bytes of
+# the stages' traffic); bf16 products in the scan and the output (tensor cores at full rate, no fp32 operand tiles);
+# TF32 in the intra products and W, U; 3xTF32 in the solve's merges (they compound). Measured on the H200 (triton 3.6,
+# 2026-11-29; error at B1 T1000 H32 vs the float64 oracle, stage ms at B1 T32768 H32; the alternatives are rows of
+# `python benchmarks/bench_chunk.py --precision-sweep`): all-TF32 products o 2.79e-3, scan 1.581 ms, output 0.849 ms;
+# bf16 scan o 2.79e-3, scan 0.983 ms; bf16 output (value tile 64) o 3.11e-3, output 0.669 ms. Not taken: bf16 intra
+# products (o 3.43e-3, no time saved), bf16 W, U (o 3.13e-3, state 2.89e-3, solve 2.32 -> 2.03 ms). fla-core on the
+# same inputs: o 4.10e-3.
 _DEFAULTS: dict[torch.dtype, Precision] = {
     torch.float64: Precision(),
     torch.float32: Precision(scan="tf32x3", output="tf32x3"),
-    torch.float16: Precision("tf32", "tf32x3", "tf32", "tf32", "tf32", torch.bfloat16),
-    torch.bfloat16: Precision("tf32", "tf32x3", "tf32", "tf32", "tf32", torch.bfloat16),
+    torch.float16: Precision("tf32", "tf32x3", "tf32", "bf16", "bf16", torch.bfloat16),
+    torch.bfloat16: Precision("tf32", "tf32x3", "tf32", "bf16", "bf16", torch.bfloat16),
 }
 _override: dict[torch.dtype, Precision] = {}
 
