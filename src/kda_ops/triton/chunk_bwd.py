@@ -87,14 +87,20 @@ def chunk_bwd(
         dE, dSp, dh0_ = chunk_bwd_scan(
             dO, fw.Mqk, fw.Qt, fw.Kend, fw.W, fw.Gl, dht_c, cu, prec, initial_state is not None, slots.offset
         )
-        dv_t, dbeta_p, dMqk, dMkk, dKt, Gam = chunk_bwd_dv(kp, vf, gp, bp, fw.Tm, fw.Hin, fw.E, dE, dO, slots, prec,
-                                                          prec_t)  # fmt: skip
-        dq_v, dk_v, zg, zb = chunk_bwd_dqk(qp, kp, Gam, fw.Gl, bp, dMqk, dMkk, dKt, fw.Hin, fw.E, dSp, dO, dbeta_p,
-                                           scale, slots, prec)  # fmt: skip
+        # each intermediate is dropped after its last reader, so that the caching allocator reuses its memory for
+        # the next stage's outputs: Mqk, Qt, Kend and W after the scan, Tm and dE after the dv stage (measured on
+        # the H200 in docs/architecture.md, "Chunk backward: what is saved")
+        Tm, Hin, E, Gl = fw.Tm, fw.Hin, fw.E, fw.Gl
+        del fw
+        dv_t, dbeta_p, dMqk, dMkk, dKt, Gam = chunk_bwd_dv(kp, vf, gp, bp, Tm, Hin, E, dE, dO, slots, prec, prec_t)
+        del Tm, dE
+        dq_v, dk_v, zg, zb = chunk_bwd_dqk(qp, kp, Gam, Gl, bp, dMqk, dMkk, dKt, Hin, E, dSp, dO, dbeta_p, scale,
+                                           slots, prec)  # fmt: skip
+        dh0 = dh0_ if dh0_ is not None else dSp.new_empty(0)
+        del Hin, E, dSp, dMqk, dMkk, dKt, Gam
         # a group's value heads share their q/k head (without groups the view is the sum: no pass over the tensor)
         zq = dq_v if G == 1 else dq_v.view(B * T, H, G, K).sum(2)
         zk = dk_v if G == 1 else dk_v.view(B * T, H, G, K).sum(2)
-        dh0 = dh0_ if dh0_ is not None else dSp.new_empty(0)
     dq, dk, dg, dbeta, dA, ddt = prepare_bwd(qf, kf, gf, bf, A_log, dt_bias, opts, zq, zk, zg, zb)
     return (
         dq.view_as(q).to(q.dtype),

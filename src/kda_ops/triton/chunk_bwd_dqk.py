@@ -281,7 +281,7 @@ def chunk_bwd_dqk(
     HV = Gam.shape[1]
     V = E.shape[2]
     NC = slots.start.shape[0]
-    dt = Hin.dtype
+    dt = Gl.dtype  # the compute dtype (Hin may be stored in bf16)
     dq = q.new_empty(T, HV, K, dtype=dt)
     dk = q.new_empty(T, HV, K, dtype=dt)
     dg = q.new_empty(T, HV, K, dtype=dt)
@@ -293,7 +293,7 @@ def chunk_bwd_dqk(
             contiguous(q), contiguous(k), Gam, Gl, contiguous(beta), dMqk, dMkk, dKt, Hin, contiguous(E), dSp,
             contiguous(dO), dbeta_partial, dq, dk, dg, dbeta, flag, slots.start, slots.count, float(scale), H, HV,
             K=K, V=V, BK=min(pow2(K), 32), BV=min(pow2(V), 32), NB=NB, BC=BC, BT=BT, PREC=prec,
-            DT=compute_dtype(Hin), ASPAN=ANCHOR_SPAN, BLOCKS=blocks, num_warps=NUM_WARPS[blocks], num_stages=1,
+            DT=compute_dtype(Gl), ASPAN=ANCHOR_SPAN, BLOCKS=blocks, num_warps=NUM_WARPS[blocks], num_stages=1,
         )  # fmt: skip
     return dq, dk, dg, dbeta
 

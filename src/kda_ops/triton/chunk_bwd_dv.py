@@ -109,7 +109,7 @@ def chunk_bwd_dv(
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     NC = slots.start.shape[0]
-    dt = Hin.dtype
+    dt = Tm.dtype  # the compute dtype (Hin and E may be stored in bf16)
     dv = v.new_empty(T, HV, V, dtype=dt)
     dbeta = v.new_empty(T, HV, dtype=dt)
     dMqk = v.new_empty(T, HV, BT, dtype=dt)
@@ -121,7 +121,7 @@ def chunk_bwd_dv(
         contiguous(k), contiguous(v), contiguous(g), contiguous(beta), contiguous(Tm), Hin, contiguous(E),
         contiguous(dE), contiguous(dO), dv, dbeta, dMqk, dMkk, dKt, Gam, slots.start, slots.count, H, HV,
         K=K, V=V, BK=min(pow2(K), 32), BV=min(pow2(V), 32), BT=BT, PREC=prec, PREC_T=prec_t,
-        DT=compute_dtype(Hin), num_stages=1,
+        DT=compute_dtype(Tm), num_stages=1,
     )  # fmt: skip
     return dv, dbeta, dMqk, dMkk, dKt, Gam
 

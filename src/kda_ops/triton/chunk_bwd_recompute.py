@@ -8,9 +8,9 @@ reruns the forward's stage kernels, keeping what the gradient stages read::
     Hin, E                            (chunk_state with store_states: the state entering each chunk, the errors)
 
 The inputs are prepared in torch (:mod:`~kda_ops.triton.chunk_bwd_gates`), so the stages run without in-kernel
-options. ``Tm``, ``Hin`` and ``E`` are stored in the compute dtype (fp32): the gradients chain several products of
-them, as are ``Mqk`` and ``Gam_last``; ``W``, ``Qt`` and ``Kend`` in :func:`recompute_precision`'s storage dtype
-(bf16 for bf16 inputs).
+options. ``Tm``, ``Mqk`` and ``Gam_last`` are stored in the compute dtype (fp32): the gradients chain several
+products of them; ``W``, ``Qt``, ``Kend``, ``Hin`` and ``E`` in :func:`recompute_precision`'s storage dtype (bf16 for
+bf16 inputs).
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ from kda_ops.triton.chunk_state import chunk_state
 from kda_ops.varlen import SlotRows
 
 _NO_OPTIONS = Options()
+# Keep the recomputed per-chunk states ``Hin [NC, HV, K, V]`` and errors ``E`` in the factors' storage dtype (bf16
+# for bf16 inputs; fp32 otherwise), as the forward does (``chunk.STATES_IN_STORE_DTYPE``): half the backward's
+# largest buffer and of the dq/dk and dv stages' reads of it.
+RECOMPUTED_STATES_IN_STORE_DTYPE = True
 
 
 @dataclass
@@ -82,7 +86,8 @@ def chunk_bwd_recompute(
     compute dtype or None; ``cu`` the sanitized flat ``cu_seqlens`` and ``slots`` its chunk map."""
     Mqk, Mkk, Qt, Kend, Gl = chunk_intra(q, k, g, beta, scale, slots, None, None, _NO_OPTIONS, precision)
     Tm, W, U = chunk_solve(Mkk, k, v, g, beta, slots, None, None, _NO_OPTIONS, precision)
-    Hin, E = chunk_state(W, U, Kend, Gl, h0, cu, precision, store_states=True, offsets=offsets)
+    Hin, E = chunk_state(W, U, Kend, Gl, h0, cu, precision, store_states=True, offsets=offsets,
+                         states_dtype=precision.store if RECOMPUTED_STATES_IN_STORE_DTYPE else None)  # fmt: skip
     assert Hin is not None and E is not None
     return Recomputed(Mqk, Qt, Kend, Gl, Tm, W, Hin, E)
 
