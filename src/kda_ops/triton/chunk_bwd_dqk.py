@@ -48,19 +48,15 @@ from kda_ops.triton.chunk_common import (
     col_mask,
     compute_dtype,
     contiguous,
+    launch,
     load2,
     max2,
     mm,
-    pow2,
     slot_rows,
     store2,
 )
 from kda_ops.triton.debug import poison
 from kda_ops.varlen import SlotRows
-
-# Warps of the (anchored, block) passes. ptxas for sm_90 (K = V = 128, bf16): the anchored pass spills 688 bytes
-# per thread with 4 warps and 96 with 8; the block pass 168 with 4 and none with 8 (`python tests/_sm90_compile.py`).
-NUM_WARPS = (8, 4)
 
 
 @triton.jit
@@ -271,7 +267,7 @@ def chunk_bwd_dqk(
     slots: SlotRows,
     prec: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(dq, dk, dg [T, HV, K], dbeta [T, HV])`` per value head, in the compute dtype of ``Hin``.
+    """``(dq, dk, dg [T, HV, K], dbeta [T, HV])`` per value head, in the compute dtype (``Gl``'s).
 
     Prepared ``q, k [T, H, K]`` and ``beta [T, HV]``; ``Gam, dMqk, dMkk, dKt, dbeta_partial`` from stage 3a;
     ``Gl [NC, HV, K]``, ``Hin [NC, HV, K, V]``, ``E [T, HV, V]`` from the recomputed forward; ``dS' [NC, HV, K, V]``
@@ -292,8 +288,8 @@ def chunk_bwd_dqk(
         chunk_bwd_dqk_kernel[(NC, HV)](
             contiguous(q), contiguous(k), Gam, Gl, contiguous(beta), dMqk, dMkk, dKt, Hin, contiguous(E), dSp,
             contiguous(dO), dbeta_partial, dq, dk, dg, dbeta, flag, slots.start, slots.count, float(scale), H, HV,
-            K=K, V=V, BK=min(pow2(K), 32), BV=min(pow2(V), 32), NB=NB, BC=BC, BT=BT, PREC=prec,
-            DT=compute_dtype(Gl), ASPAN=ANCHOR_SPAN, BLOCKS=blocks, num_warps=NUM_WARPS[blocks], num_stages=1,
+            K=K, V=V, NB=NB, BC=BC, BT=BT, PREC=prec, DT=compute_dtype(Gl), ASPAN=ANCHOR_SPAN, BLOCKS=blocks,
+            **launch("dqk_blocks" if blocks else "dqk", BK=K, BV=V),
         )  # fmt: skip
     return dq, dk, dg, dbeta
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kda_ops.triton.chunk_common import BT, col_mask, compute_dtype, contiguous, load2, mm, pow2, slot_rows, store2
+from kda_ops.triton.chunk_common import BT, col_mask, compute_dtype, contiguous, launch, load2, mm, slot_rows, store2
 from kda_ops.triton.debug import poison
 from kda_ops.varlen import SlotRows
 
@@ -104,7 +104,7 @@ def chunk_bwd_dv(
 
     Inputs prepared (options applied): ``k [T, H, K]``, ``v [T, HV, V]``, the log decay ``g [T, HV, K]``,
     ``beta [T, HV]``; ``Tm [T, HV, BT]``, ``Hin [NC, HV, K, V]``, ``E [T, HV, V]`` from the recomputed forward;
-    ``dE [T, HV, V]`` from the reverse scan; ``dO [T, HV, V]``. Outputs in the compute dtype of ``Hin``.
+    ``dE [T, HV, V]`` from the reverse scan; ``dO [T, HV, V]``. Outputs in the compute dtype (``Tm``'s).
     """
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
@@ -120,8 +120,7 @@ def chunk_bwd_dv(
     chunk_bwd_dv_kernel[(NC, HV)](
         contiguous(k), contiguous(v), contiguous(g), contiguous(beta), contiguous(Tm), Hin, contiguous(E),
         contiguous(dE), contiguous(dO), dv, dbeta, dMqk, dMkk, dKt, Gam, slots.start, slots.count, H, HV,
-        K=K, V=V, BK=min(pow2(K), 32), BV=min(pow2(V), 32), BT=BT, PREC=prec, PREC_T=prec_t,
-        DT=compute_dtype(Tm), num_stages=1,
+        K=K, V=V, BT=BT, PREC=prec, PREC_T=prec_t, DT=compute_dtype(Tm), **launch("dv", BK=K, BV=V),
     )  # fmt: skip
     return dv, dbeta, dMqk, dMkk, dKt, Gam
 
