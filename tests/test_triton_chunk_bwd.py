@@ -163,6 +163,26 @@ def test_stage_dqk(gates: str) -> None:
         assert_rel(a, b, tol, name)
 
 
+def test_stage_dqk_block_pass_equals_anchored_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the anchored span below 0 the first pass flags every chunk and the block pass computes them all: the
+    same gradients as the anchored pass (two fp32 factorings of the same decays)."""
+    import importlib
+
+    dqk_module = importlib.import_module("kda_ops.triton.chunk_bwd_dqk")
+    c = _stage_case("normal", H=1, HV=2)
+    c.update(_dv_inputs(c))
+    _, dbeta, dMqk, dMkk, dKt, Gam = bwd_oracle.bwd_dv(c["k"], c["v"], c["g"], c["beta"], c["Tm"], c["Hin"], c["E"],
+                                                      c["dE"], c["dO"], c["slots"], BT)  # fmt: skip
+    c.update(dbeta=dbeta, dMqk=dMqk, dMkk=dMkk, dKt=dKt, Gam=Gam)
+    names = ("q", "k", "Gam", "Gl", "beta", "dMqk", "dMkk", "dKt", "Hin", "E", "dSp", "dO", "dbeta")
+    with poison_outputs():
+        anchored = chunk_bwd_dqk(*_f32(c, *names), 0.4, c["slots"], "ieee")
+        monkeypatch.setattr(dqk_module, "ANCHOR_SPAN", -1.0)
+        blocks = chunk_bwd_dqk(*_f32(c, *names), 0.4, c["slots"], "ieee")
+    for name, a, b in zip(("dq", "dk", "dg", "dbeta"), anchored, blocks):
+        assert_rel(a, b, 1e-5, name)
+
+
 # ---------------------------------------------------------------------------------------------- pipeline
 
 
