@@ -10,7 +10,8 @@ peak memory above the inputs (``torch.cuda.max_memory_allocated`` minus what was
 before each), ours / fla. Accuracy at T = 1000: relative error of every bf16 gradient of ours and of fla against
 the float64 oracle (``kda_ops.reference.chunk_bwd`` on float64 copies of the same inputs).
 
-Usage: ``python benchmarks/bench_chunk_bwd.py [--out DIR] [--wheels W ...]``; writes ``bench_chunk_bwd.md``,
+Usage: ``python benchmarks/bench_chunk_bwd.py [--out DIR] [--wheels W ...] [--shapes N] [--skip-fla] [--profile]``
+(``--profile``: our kernels' GPU time at the first shape); writes ``bench_chunk_bwd.md``,
 ``.json`` and ``.png`` to ``--out`` (default ``benchmarks/results``); the markdown table is printed last.
 """
 
@@ -80,6 +81,23 @@ def timed(run: Callable[[], Any]) -> tuple[float, float]:
     return ms, (torch.cuda.max_memory_allocated() - base) / 1e9
 
 
+def kernel_profile(run: Callable[[], Any], reps: int = 3) -> list[str]:
+    """GPU ms per call of each kernel ``run`` launches (torch.profiler), as markdown rows, slowest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            run()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    lines = ["| kernel | launches | ms |", "|---|---|---|"]
+    for e in sorted(events, key=lambda e: -e.device_time_total):
+        lines.append(f"| `{e.key[:80]}` | {e.count // reps} | {e.device_time_total / reps / 1000:.3f} |")
+    return lines
+
+
 def grad_errors(fn: Callable[..., Any], x: dict[str, torch.Tensor], do: torch.Tensor, dht: torch.Tensor,
                 ref: tuple[Any, ...]) -> dict[str, float]:  # fmt: skip
     got = fwd_bwd(fn, x, do, dht)()
@@ -93,6 +111,7 @@ def main() -> None:
     ap.add_argument("--shapes", type=int, default=len(SHAPES), help="time only the first N shapes")
     ap.add_argument("--skip-fla", action="store_true",
                     help="leave fla out (its first call at a new shape autotunes for minutes)")  # fmt: skip
+    ap.add_argument("--profile", action="store_true", help="also list our kernels' GPU time at the first shape")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -138,6 +157,14 @@ def main() -> None:
               "| impl | " + " | ".join("d" + n for n in GRADS) + " |", "|---" * (len(GRADS) + 1) + "|"]  # fmt: skip
     for name, e in errs.items():
         lines.append(f"| {name} | " + " | ".join(f"{e.get('d' + n, float('nan')):.2e}" for n in GRADS) + " |")
+    if args.profile:
+        B, T, H = SHAPES[0]
+        x = inputs(B, T, H)
+        gen = torch.Generator(device=DEV).manual_seed(9)
+        do = torch.randn(x["v"].shape, generator=gen, device=DEV).bfloat16()
+        dht = torch.randn(B, H, 128, 128, generator=gen, device=DEV)
+        lines += ["", f"Our kernels, forward + backward at B{B} T{T} H{H} (torch.profiler, GPU ms per call):", ""]
+        lines += kernel_profile(fwd_bwd(kda_ops.chunk_kda, x, do, dht))
     md = "\n".join(lines)
     (out / "bench_chunk_bwd.md").write_text(md + "\n")
     (out / "bench_chunk_bwd.json").write_text(json.dumps({"rows": rows, "errors": errs, "fla": fla_src}, indent=1))
