@@ -27,7 +27,8 @@ class Options:
 
 
 def state_dtype(v: Tensor) -> torch.dtype:
-    """The recurrent state is float32, or float64 for float64 inputs."""
+    """The recurrent state is float32, or float64 for float64 inputs: also the kernels' compute dtype as a torch
+    dtype (for their fp32 buffers)."""
     return torch.float64 if v.dtype == torch.float64 else torch.float32
 
 

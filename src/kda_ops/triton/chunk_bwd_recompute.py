@@ -28,10 +28,6 @@ from kda_ops.triton.chunk_state import chunk_state
 from kda_ops.varlen import SlotRows
 
 _NO_OPTIONS = Options()
-# Keep the recomputed per-chunk states ``Hin [NC, HV, K, V]`` and errors ``E`` in the factors' storage dtype (bf16
-# for bf16 inputs; fp32 otherwise), as the forward does (``chunk.STATES_IN_STORE_DTYPE``): half the backward's
-# largest buffer and of the dq/dk and dv stages' reads of it.
-RECOMPUTED_STATES_IN_STORE_DTYPE = True
 
 
 @dataclass
@@ -86,8 +82,7 @@ def chunk_bwd_recompute(
     compute dtype or None; ``cu`` the sanitized flat ``cu_seqlens`` and ``slots`` its chunk map."""
     Mqk, Mkk, Qt, Kend, Gl = chunk_intra(q, k, g, beta, scale, slots, None, None, _NO_OPTIONS, precision)
     Tm, W, U = chunk_solve(Mkk, k, v, g, beta, slots, None, None, _NO_OPTIONS, precision)
-    Hin, E = chunk_state(W, U, Kend, Gl, h0, cu, precision, store_states=True, offsets=offsets,
-                         states_dtype=precision.store if RECOMPUTED_STATES_IN_STORE_DTYPE else None)  # fmt: skip
+    Hin, E = chunk_state(W, U, Kend, Gl, h0, cu, precision, store_states=True, offsets=offsets)
     assert Hin is not None and E is not None
     return Recomputed(Mqk, Qt, Kend, Gl, Tm, W, Hin, E)
 

@@ -23,12 +23,11 @@ the gate formulas of ``reference/gates.py`` are stated here once for every kerne
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from kda_ops.common import Options
+from kda_ops.common import Options, state_dtype
 from kda_ops.triton.chunk_common import BT, cdiv, col_mask, compute_dtype, contiguous, launch, pow2, slot_rows, store2
 from kda_ops.triton.debug import poison
 from kda_ops.varlen import SlotRows
@@ -128,7 +127,7 @@ def chunk_local_cumsum(
     """
     T, HV, K = g.shape
     NC = slots.start.shape[0]
-    dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
+    dtype = state_dtype(g)  # the compute dtype
     Gam = g.new_empty(T, HV, K, dtype=dtype)
     Gl = g.new_empty(NC, HV, K, dtype=dtype)
     poison(Gam, Gl)

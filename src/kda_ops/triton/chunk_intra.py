@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kda_ops.common import Options
+from kda_ops.common import Options, state_dtype
 from kda_ops.triton.chunk_common import (
     ANCHOR_SPAN,
     BC,
@@ -245,7 +245,7 @@ def chunk_intra(
     T, H, K = q.shape
     HV = g.shape[1]
     NC = slots.start.shape[0]
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dtype = state_dtype(q)  # the compute dtype
     Mqk = q.new_empty(T, HV, BT, dtype=dtype)
     Mkk = torch.empty_like(Mqk)
     Qt = q.new_empty(T, HV, K, dtype=precision.store)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kda_ops.common import Options
+from kda_ops.common import Options, state_dtype
 from kda_ops.triton.chunk_common import (
     ANCHOR_SPAN,
     BC,
@@ -182,7 +182,7 @@ def chunk_prepare(
     Qt = torch.empty_like(W)
     Kend = torch.empty_like(W)
     U = v.new_empty(T, HV, V, dtype=store)
-    Gl = q.new_empty(NC, HV, K, dtype=torch.float64 if v.dtype == torch.float64 else torch.float32)
+    Gl = q.new_empty(NC, HV, K, dtype=state_dtype(v))
     Flag = q.new_empty(NC, HV, dtype=torch.int32)
     poison(Mqk, W, U, Qt, Kend, Gl, Flag)
     args = (
