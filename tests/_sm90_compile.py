@@ -89,7 +89,7 @@ def resources(compiled: Any) -> dict[str, Any]:
 
 def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
     def prepare(blocks: bool, K: int = 128, V: int = 128, x: torch.dtype = BF, store: torch.dtype = BF,
-                prec: tuple[str, str, str] = ("tf32", "ieee", "tf32"), dt: Any = tl.float32,
+                prec: tuple[str, str, str] = ("tf32", "tf32", "tf32"), dt: Any = tl.float32,
                 gate: bool = False) -> dict[str, Any]:  # fmt: skip
         a = dict(q=x, k=x, v=x, g=F32, beta=x, A_log=F32 if gate else None, dt_bias=F32 if gate else None,
                  Mqk=store, W=store, U=store, Qt=store, Kend=store, Gl=F32 if dt == tl.float32 else F64, Flag=I32,
@@ -133,7 +133,7 @@ def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
             4, 1) for blocks, K, bk in ((False, 128, 64), (False, 100, 32), (True, 128, 32))},
         **{f"solve K=V={K} BK={bk} BV={bv} tm={tm}": (chunk_solve.chunk_solve_kernel,
             dict(stage, **qk, Mkk=F32, k=BF, v=BF, g=F32, beta=BF, A_log=F32, dt_bias=F32, Tm=F32, W=BF, U=BF, K=K,
-                 V=K, BK=bk, BV=bv, PREC_SOLVE="tf32x3", PREC_WY="tf32", STORE_TM=tm), 4, 1)
+                 V=K, BK=bk, BV=bv, PREC_SOLVE="tf32", PREC_WY="tf32", STORE_TM=tm), 4, 1)
            for K, bk, bv, tm in ((128, 64, 64, False), (100, 32, 64, True))},
         "output": (chunk_output.chunk_output_kernel, dict(Qt=BF, Mqk=F32, Hin=F32, E=F32, o=BF, slot_start=I64,
                    slot_count=I64, HV=32, K=100, V=100, BK=128, BV=64, BT=64, PREC="bf16", DT=tl.float32), 4, 1),

@@ -198,6 +198,27 @@ def test_stage_solve(gates: str, option: str) -> None:
         assert_rel(a, b, 1e-5, name)
 
 
+@pytest.mark.parametrize("entry", [1.0, -0.3], ids=["alternating_inverse", "growing_inverse"])
+def test_stage_solve_ill_conditioned(entry: float) -> None:
+    """The doubling solve on chunks whose every ``Mkk`` entry below the diagonal is ``entry``: with 1.0 (identical
+    unit keys, beta 1, no decay) the Neumann terms reach C(62, 31) ~ 1e17 while the inverse holds 0 and +-1 (a
+    power series would lose everything to cancellation); with -0.3 the inverse grows to 1.3^62 ~ 1e7. Against the
+    float64 inverse of each chunk's (partial) block."""
+    c = _stage_case(torch.float32)
+    f, slots = c["flat"], c["slots"]
+    T, HV = f["v"].shape[0], f["v"].shape[1]
+    Mkk = torch.zeros(T, HV, BT, dtype=F64)
+    ref = torch.zeros(T, HV, BT, dtype=F64)
+    for start, count in zip(slots.start.tolist(), slots.count.tolist()):
+        if count == 0:
+            continue
+        N = torch.tril(torch.full((count, count), entry, dtype=F64), diagonal=-1)
+        Mkk[start : start + count, :, :count] = N[:, None, :]
+        ref[start : start + count, :, :count] = torch.linalg.inv(torch.eye(count, dtype=F64) + N)[:, None, :]
+    Tm, _, _ = chunk_solve(Mkk.float(), f["k"], f["v"], f["g"], f["beta"], slots, None, None, c["opts"], EXACT)
+    assert_rel(Tm, ref, 1e-5, "Tm")
+
+
 def _factors(c: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The float64 oracle's per-chunk factors of a stage case (the inputs of the scan and the output stages)."""
     p = c["p"]

@@ -8,10 +8,10 @@ Per value head, chunks of ``BT = 64`` tokens, incoming state ``S [K, V]`` (``bac
     E  = U - W S,  S' = diag(exp(Gam_last)) S + Kend^T E    the scan over chunks                 (chunk_state)
     O  = Qt S + Mqk E                                                                            (chunk_output)
 
-:func:`chunk_fwd` is the kernel of ``torch.ops.kda.chunk``. Today it runs :func:`chunk_fwd_staged`: the stages
-one by one, each through memory (intra with its block pass, solve, scan, output). The fused variant, stages 1-3
-in one kernel (:mod:`~kda_ops.triton.chunk_prepare`) and then the scan with the outputs fused in, is switched off
-by the flags below until it passes the GPU suite.
+:func:`chunk_fwd` is the kernel of ``torch.ops.kda.chunk``: stages 1-3 in one kernel per chunk
+(:mod:`~kda_ops.triton.chunk_prepare`; ``Gam``, ``Mkk`` and ``Tm`` never leave the chip), then the scan keeping
+the per-chunk states, then the output stage. :func:`chunk_fwd_staged` runs stages 2 and 3 as separate kernels
+through memory; the switches below select the variants.
 
 Variable length: the flat token stream (a dense batch ``[B, T]`` is ``B`` sequences of ``T``) is split into a
 static ``cdiv(B*T, BT) + N`` chunk slots built on the device from ``cu_seqlens``; nothing reads a value on the
@@ -34,13 +34,14 @@ from kda_ops.triton.chunk_state import chunk_state
 from kda_ops.triton.debug import poison
 from kda_ops.varlen import chunk_map
 
-# The scan with the outputs fused in (no per-chunk states through memory) faults on the H200 with triton 3.6
-# (illegal address in the scan's dot, 2026-11-29, tests/gpu/test_chunk_gpu.py); until that is understood the
-# forward keeps the states and runs the output stage separately, the path the GPU tests pass on.
+# Measured on the H200 (triton 3.6, 2026-11-29, B1 T32768 H32 bf16, same error o 3.11e-3 at T = 1000 every way):
+# stages 1-3 fused 4.49 -> 4.10 ms for the forward; the scan with the outputs fused in (no per-chunk states through
+# memory) 1.51 ms against 0.84 + 0.49 for the scan and the output stage apart, so it stays off. Both fused kernels
+# faulted with an illegal address in earlier trees (bf16 scan products then computed wrongly; the prepare kernels
+# then autotuned over four configurations; the cause was not established). Today's tree runs them under the GPU
+# suite (tests/gpu: chunk 52, chunk_bwd 17, models 11 passed).
 FUSE_SCAN_OUTPUT = False
-# The fused prepare kernels (stages 1-3 in one launch) fault the same way on the H200 while the stage-by-stage
-# kernels pass the GPU tests: the forward runs stage by stage until the fused kernels are fixed.
-FUSE_PREPARE = False
+FUSE_PREPARE = True
 
 
 def _flat(x: Tensor) -> Tensor:

@@ -46,10 +46,10 @@ class Recomputed:
 
 def recompute_precision(dtype: torch.dtype) -> Precision:
     """The forward stages' precision in the backward. fp32 inputs: fp32 storage, exact or 3xTF32 products. 16-bit
-    inputs: the forward's own choice (bf16 factors, bf16 products in the scan, TF32 elsewhere, 3xTF32 merges in the
-    solve), with fp32 factors for fp16 inputs, whose 11 bits bf16 factors would not keep (the interpreter test of the
-    fp16 backward measured dq 3.75e-3 with them against its 2e-3 bound). Exact fp32 merges (``"ieee"``) compile for
-    sm_90 to CUDA-core products that spilled 816 bytes per thread (ptxas, K = V = 128); 3xTF32 spills none.
+    inputs: the forward's own choice (bf16 factors, bf16 products in the scan, TF32 elsewhere), with fp32 factors for
+    fp16 inputs, whose 11 bits bf16 factors would not keep (the interpreter test of the fp16 backward measured dq
+    3.75e-3 with them against its 2e-3 bound). The exact fp32 solve of fp32 inputs compiles for sm_90 to CUDA-core
+    products that spill ~2.8 KB per thread (ptxas, K = V = 128): fp32 inputs trade that time for their 1e-4 bound.
 
     Measured on the H200 (triton 3.6, 2026-11-29; B1 H32 bf16, forward + backward at T = 32768, gradient error at T =
     1000 vs the float64 oracle): fp32 factors with TF32 products everywhere 39.4 ms, 11.03 GB, dq 1.83e-3, dk 1.97e-3,

@@ -48,6 +48,9 @@ LAUNCH: dict[str, dict[str, int]] = {
     "cumsum": {"num_warps": 4, "num_stages": 1},
     "intra": {"num_warps": 4, "num_stages": 1, "BK": 32},
     "solve": {"num_warps": 4, "num_stages": 1, "BK": 64, "BV": 64},
+    # stages 1-3 fused (chunk_prepare): the anchored pass, and the block pass of the flagged chunks
+    "prepare": {"num_warps": 4, "num_stages": 1, "BK": 32, "BV": 64},
+    "prepare_blocks": {"num_warps": 8, "num_stages": 1, "BK": 16, "BV": 64},
     "scan": {"num_warps": 8, "num_stages": 1},
     "output": {"num_warps": 4, "num_stages": 1, "BV": 64},
     # The backward's per-chunk gradient stages (chunk_bwd_dv; chunk_bwd_dqk: its anchored pass, its block pass).
@@ -107,8 +110,8 @@ class Precision:
     """Per-product precision of the chunk pipeline (each one of :data:`PRECISIONS`) and the storage dtype.
 
     intra:  the chunk's Mqk and Mkk (products of decayed keys and queries)
-    solve:  the merge products of the block forward substitution ``(I + Mkk)^-1`` (its 16x16 blocks are always
-            solved elementwise in the compute dtype)
+    solve:  the chunk-wide doubling steps of ``(I + Mkk)^-1`` (its 16x16 diagonal blocks always run at fp32
+            accuracy: 3xTF32, or exact with "ieee")
     wy:     ``W = Tm diag(beta) Kt`` and ``U = Tm diag(beta) V``
     scan:   ``W S`` and ``Kend^T E`` in the state scan (the sequential critical path)
     output: ``Qt S`` and ``Mqk E``
@@ -133,17 +136,20 @@ class Precision:
 # 3xTF32 (~2e-7 per product) in the scan and the output, whose exact-fp32 form compiles for sm_90 to a CUDA-core
 # product that spills 8 KB per thread (ptxas, K = V = 128). 16-bit inputs: factors stored in bf16 (half the bytes of
 # the stages' traffic); bf16 products in the scan and the output (tensor cores at full rate, no fp32 operand tiles);
-# TF32 in the intra products and W, U; 3xTF32 in the solve's merges (they compound). Measured on the H200 (triton 3.6,
-# 2026-11-29; error at B1 T1000 H32 vs the float64 oracle, stage ms at B1 T32768 H32; the alternatives are rows of
-# `python benchmarks/bench_chunk.py --precision-sweep`): all-TF32 products o 2.79e-3, scan 1.581 ms, output 0.849 ms;
-# bf16 scan o 2.79e-3, scan 0.983 ms; bf16 output (value tile 64) o 3.11e-3, output 0.669 ms. Not taken: bf16 intra
-# products (o 3.43e-3, no time saved), bf16 W, U (o 3.13e-3, state 2.89e-3, solve 2.32 -> 2.03 ms). fla-core on the
-# same inputs: o 4.10e-3.
+# TF32 in the intra products, the solve's chunk-wide steps and W, U (the solve's 16-row diagonal blocks always run
+# at fp32 accuracy). Measured on the H200 (triton 3.6, 2026-11-29; error at B1 T1000 H32 vs the float64 oracle,
+# stage ms at B1 T32768 H32; the alternatives are rows of `python benchmarks/bench_chunk.py --precision-sweep`):
+# all-TF32 products o 2.79e-3, scan 1.581 ms, output 0.849 ms; bf16 scan o 2.79e-3, scan 0.983 ms; bf16 output
+# (value tile 64) o 3.11e-3, output 0.669 ms. The doubling solve (staged kernel): 3xTF32 steps 5.14 ms (1.4 KB of
+# spills per thread), TF32 1.42 ms, bf16 1.06 ms, each o 3.11e-3 / state 2.37e-3; the row-by-row solve it replaced
+# took 2.32 ms. Inside the fused prepare kernel a bf16 solve saved 0.08 ms of 4.45. Not taken: bf16 intra products
+# (o 3.43e-3, no time saved; 3.76e-3 fused), bf16 W, U (o 3.13e-3, state 2.89e-3), a bf16 solve (the error of
+# ill-conditioned chunks, where the inverse grows, is not measured on the GPU). fla-core: o 4.10e-3.
 _DEFAULTS: dict[torch.dtype, Precision] = {
     torch.float64: Precision(),
     torch.float32: Precision(scan="tf32x3", output="tf32x3"),
-    torch.float16: Precision("tf32", "tf32x3", "tf32", "bf16", "bf16", torch.bfloat16),
-    torch.bfloat16: Precision("tf32", "tf32x3", "tf32", "bf16", "bf16", torch.bfloat16),
+    torch.float16: Precision("tf32", "tf32", "tf32", "bf16", "bf16", torch.bfloat16),
+    torch.bfloat16: Precision("tf32", "tf32", "tf32", "bf16", "bf16", torch.bfloat16),
 }
 _override: dict[torch.dtype, Precision] = {}
 

@@ -139,10 +139,12 @@ def intra_anchored(qs, kk, E, Mqk, Mkk, PREC: tl.constexpr, DT: tl.constexpr, SP
 
 
 @triton.jit
-def key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, tok, m, i_c, i_h, i_hv, H, HV, scale, lower_bound, rq, rk, i_k,
-             K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr,
-             USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, DT: tl.constexpr):
-    """Load key tile ``i_k`` of the chunk and store its ``Qt``, ``Kend`` and ``Gam_last``.
+def key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c, i_h, i_hv, H, HV, scale, lower_bound, rq, rk,
+             i_k, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr,
+             USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, DT: tl.constexpr, STORE_KT: tl.constexpr):
+    """Load key tile ``i_k`` of the chunk and store its ``Qt``, ``Kend`` and ``Gam_last`` (and ``Kt = k exp(Gam)``
+    into ``Kt [T, HV, K]`` with ``STORE_KT``: the operand of ``W``, kept for :func:`~kda_ops.triton.chunk_solve.
+    wy_stored`).
 
     Returns ``s q``, ``k`` (l2-normalised when asked), ``g`` (after the gate) and ``E = Gam - Gam_mid``, ``[BT, BK]``.
     """
@@ -156,6 +158,8 @@ def key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, tok, m, i_c, i_h, i_hv, H, H
     store2(Qt + i_hv * K, tok, m, HV * K, o_k, m_k, qs * tl.exp(Gam))
     store2(Kend + i_hv * K, tok, m, HV * K, o_k, m_k, kk * tl.exp(to_end))
     tl.store(Gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, gl.to(Gl.dtype.element_ty), mask=m_k)
+    if STORE_KT:
+        store2(Kt + i_hv * K, tok, m, HV * K, o_k, m_k, kk * tl.exp(Gam))
     return qs, kk, g2, E
 
 
@@ -206,8 +210,8 @@ def chunk_intra_kernel(
     Mkk2 = tl.zeros((BT, BT), dtype=DT)
     ok = True
     for i_k in range(tl.cdiv(K, BK)):
-        qs, kk, g2, E = key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, tok, m, i_c, i_h, i_hv, H, HV, scale,
-                                 lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)
+        qs, kk, g2, E = key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, Qt, tok, m, i_c, i_h, i_hv, H, HV, scale,
+                                 lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT, False)
         if BLOCKS:
             Mqk2, Mkk2 = intra_blocks(qs, kk, g2, Mqk2, Mkk2, NB, BC, BT, BK, PREC, DT, SPAN)
         else:

@@ -35,56 +35,38 @@ from kda_ops.triton.chunk_common import (
     FACTOR_SPAN,
     NB,
     Precision,
-    autotune_configs,
     col_mask,
     compute_dtype,
     contiguous,
+    launch,
     load_beta2,
     max2,
-    pow2,
     slot_rows,
     store2,
 )
 from kda_ops.triton.chunk_cumsum import gate_flags
 from kda_ops.triton.chunk_intra import intra_anchored, intra_blocks, intra_masks, key_tile, qk_norms
-from kda_ops.triton.chunk_solve import solve_unit_lower, wy_pass
+from kda_ops.triton.chunk_solve import solve_unit_lower, wy_stored
 from kda_ops.triton.debug import poison
+from kda_ops.triton.launch import Launcher
 from kda_ops.varlen import SlotRows
-
-# Candidates from offline sm_90 builds (ptxas, K = V = 128, bf16): BK = 64 with 8 warps and BK = 32 with 4 warps
-# (3xTF32 solve merges) compile without spills; 4 warps take ~1.5x fewer instructions per chunk (row scans cost
-# less with more elements per thread) and fit 2 programs per SM. BK = 128 saves loop trips. Few candidates: every
-# (K, V, dtype, options) key compiles each one once.
-# TODO(bench): prune to the winners of `python benchmarks/bench_chunk.py` on the H200.
-_CONFIGS = autotune_configs(
-    [triton.Config({"BK": bk}, num_warps=w, num_stages=1) for bk, w in ((32, 4), (64, 8), (64, 4), (128, 8))]
-)
-# the block path keeps [NB, NB, BC, BK] column blocks and [NB, BC, BT] products live: small key tiles (ptxas: no
-# spills at 8 warps, 56 bytes at BK = 16 with 4 warps)
-_BLOCK_CONFIGS = autotune_configs(
-    [triton.Config({"BK": bk}, num_warps=w, num_stages=1) for bk, w in ((16, 8), (32, 8), (16, 4))]
-)
-_FLAGS = ["USE_L2NORM", "USE_GATE", "USE_A", "USE_BIAS", "USE_BOUND", "BETA_SIGMOID", "NEG_EIGVAL"]
-_KEY = ["K", "V", *_FLAGS, "PREC_INTRA", "PREC_SOLVE", "PREC_WY"]
 
 
 @triton.jit
-def solve_and_store(Mqk2, Mkk2, Mqk, k, v, g, beta, A_log, dt_bias, W, U, tok, m, i_h, i_hv, H, HV, lower_bound, rk,
-                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
-                    BC: tl.constexpr, BT: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr,
-                    USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr,
-                    NEG_EIGVAL: tl.constexpr, PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr, DT: tl.constexpr):
-    """Masks; store Mqk; stage 3: ``Tm = (I + Mkk)^-1``, store ``W = Tm diag(beta) Kt`` and ``U = Tm diag(beta) V``."""
+def solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, tok, m, i_hv, HV, K: tl.constexpr, V: tl.constexpr,
+                    BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
+                    BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, PREC_SOLVE: tl.constexpr,
+                    PREC_WY: tl.constexpr, DT: tl.constexpr):
+    """Masks; store Mqk; stage 3: ``Tm = (I + Mkk)^-1``, ``W = Tm diag(beta) Kt`` (``Kt`` as the key tiles left
+    it in ``W``) and ``U = Tm diag(beta) V``."""
     beta2 = load_beta2(beta, tok, m, HV, i_hv, BETA_SIGMOID, NEG_EIGVAL, DT)
     Mqk2, Mkk2 = intra_masks(Mqk2, Mkk2, beta2, BT)
     cols = tl.arange(0, BT)
     store2(Mqk + i_hv * BT, tok, m, HV * BT, cols, col_mask(cols, BT, BT), Mqk2)
     T2 = solve_unit_lower(Mkk2, NB, BC, BT, PREC_SOLVE, DT)
-    wy_pass(T2, k, v, g, beta, A_log, dt_bias, W, U, tok, m, i_h, i_hv, H, HV, lower_bound, rk, K, V, BK, BV, BT,
-            USE_GATE, USE_A, USE_BIAS, USE_BOUND, BETA_SIGMOID, NEG_EIGVAL, PREC_WY, DT)  # fmt: skip
+    wy_stored(T2 * beta2[None, :], v, W, U, tok, m, i_hv, HV, K, V, BK, BV, PREC_WY, DT)
 
 
-@triton.autotune(configs=_CONFIGS, key=_KEY)
 @triton.jit
 def chunk_prepare_kernel(
     q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Flag, slot_start, slot_count, scale, lower_bound,
@@ -105,18 +87,16 @@ def chunk_prepare_kernel(
     Mkk2 = tl.zeros((BT, BT), dtype=DT)
     span = 0.0
     for i_k in range(tl.cdiv(K, BK)):
-        qs, kk, g2, E = key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, tok, m, i_c, i_h, i_hv, H, HV, scale,
-                                 lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)
+        qs, kk, g2, E = key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, W, tok, m, i_c, i_h, i_hv, H, HV, scale,
+                                 lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT, True)
         span = tl.maximum(span, max2(tl.abs(E)).to(tl.float32))  # fp32 whatever DT: a loop-carried scalar
         Mqk2, Mkk2 = intra_anchored(qs, kk, E, Mqk2, Mkk2, PREC_INTRA, DT, ASPAN)
     tl.store(Flag + i_c.to(tl.int64) * HV + i_hv, (span > ASPAN).to(tl.int32))
     if span <= ASPAN:
-        solve_and_store(Mqk2, Mkk2, Mqk, k, v, g, beta, A_log, dt_bias, W, U, tok, m, i_h, i_hv, H, HV, lower_bound,
-                        rk, K, V, BK, BV, NB, BC, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, BETA_SIGMOID, NEG_EIGVAL,
-                        PREC_SOLVE, PREC_WY, DT)  # fmt: skip
+        solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT, BETA_SIGMOID,
+                        NEG_EIGVAL, PREC_SOLVE, PREC_WY, DT)  # fmt: skip
 
 
-@triton.autotune(configs=_BLOCK_CONFIGS, key=[*_KEY, "CHECK_FLAG"])
 @triton.jit
 def chunk_prepare_blocks_kernel(
     q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Flag, slot_start, slot_count, scale, lower_bound,
@@ -138,12 +118,11 @@ def chunk_prepare_blocks_kernel(
     Mqk2 = tl.zeros((BT, BT), dtype=DT)
     Mkk2 = tl.zeros((BT, BT), dtype=DT)
     for i_k in range(tl.cdiv(K, BK)):
-        qs, kk, g2, E = key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, tok, m, i_c, i_h, i_hv, H, HV, scale,
-                                 lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)
+        qs, kk, g2, E = key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, W, tok, m, i_c, i_h, i_hv, H, HV, scale,
+                                 lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT, True)
         Mqk2, Mkk2 = intra_blocks(qs, kk, g2, Mqk2, Mkk2, NB, BC, BT, BK, PREC_INTRA, DT, SPAN)
-    solve_and_store(Mqk2, Mkk2, Mqk, k, v, g, beta, A_log, dt_bias, W, U, tok, m, i_h, i_hv, H, HV, lower_bound, rk,
-                    K, V, BK, BV, NB, BC, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, BETA_SIGMOID, NEG_EIGVAL,
-                    PREC_SOLVE, PREC_WY, DT)  # fmt: skip
+    solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT, BETA_SIGMOID,
+                    NEG_EIGVAL, PREC_SOLVE, PREC_WY, DT)  # fmt: skip
 
 
 def anchored_path_usable(opts: Options) -> bool:
@@ -191,15 +170,20 @@ def chunk_prepare(
         0.0 if opts.lower_bound is None else float(opts.lower_bound), H, HV,
     )  # fmt: skip
     meta = dict(
-        K=K, V=V, BV=min(pow2(V), 64), NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm,
+        K=K, V=V, NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm,
         BETA_SIGMOID=opts.use_beta_sigmoid, NEG_EIGVAL=opts.allow_neg_eigval, PREC_INTRA=precision.intra,
         PREC_SOLVE=precision.solve, PREC_WY=precision.wy, DT=compute_dtype(v), **gate_flags(opts, A_log, dt_bias),
     )  # fmt: skip
     anchored = anchored_path_usable(opts)
     if anchored:
-        chunk_prepare_kernel[(NC, HV)](*args, **meta, ASPAN=ANCHOR_SPAN)
-    chunk_prepare_blocks_kernel[(NC, HV)](*args, **meta, SPAN=FACTOR_SPAN, CHECK_FLAG=anchored)
+        _launch_prepare((NC, HV), args, dict(meta, ASPAN=ANCHOR_SPAN, **launch("prepare", BK=K, BV=V)))
+    _launch_blocks(
+        (NC, HV), args, dict(meta, SPAN=FACTOR_SPAN, CHECK_FLAG=anchored, **launch("prepare_blocks", BK=K, BV=V))
+    )
     return Mqk, W, U, Qt, Kend, Gl
 
+
+_launch_prepare = Launcher(chunk_prepare_kernel)
+_launch_blocks = Launcher(chunk_prepare_blocks_kernel)
 
 __all__ = ["chunk_prepare"]

@@ -1,9 +1,11 @@
 """Stage 3: the solve ``Tm = (I + Mkk)^-1`` and the WY factors ``W = Tm diag(beta) Kt``, ``U = Tm diag(beta) V``.
 
-``Mkk`` is strictly lower triangular, so ``I + Mkk`` is unit lower triangular and its inverse comes from forward
-substitution, the error hot spot of the chunk (``backward.md``): it runs in the compute dtype (fp32) over
-16-row blocks. The four diagonal 16x16 blocks are inverted together, row by row; the blocks below the diagonal
-follow block row by block row, ``Tm[I, :] = Tm_II (E_I - Mkk[I, <I] Tm[<I, :])``, two products per block row.
+``Mkk`` is strictly lower triangular, so ``I + Mkk`` is unit lower triangular and its inverse comes from block
+substitution, the error hot spot of the chunk (``backward.md``). It runs in the compute dtype (fp32) with the
+solved block size doubled at each step: with ``T`` the inverse on blocks of ``B`` rows and ``C`` the lower-left
+``B x B`` part of each ``2B``-block, ``T - T C T`` is the inverse on blocks of ``2B`` rows. Six steps from the
+identity (1 -> 64 rows), two tensor-core products each; the first four on the diagonal 16x16 blocks at once. Each
+step computes entries of the inverse itself (no power series, no cancellation between large terms).
 
 ``Kt_i = k_i exp(Gam_i)`` never exceeds ``|k_i|``; ``W`` and ``U`` are stored in ``precision.store``.
 """
@@ -37,34 +39,47 @@ from kda_ops.triton.debug import poison
 from kda_ops.triton.launch import Launcher
 from kda_ops.varlen import SlotRows
 
+# the doubling steps of the solve: within the 16-row blocks, then over the chunk
+LOG2_BC = tl.constexpr(BC.bit_length() - 1)
+LOG2_BT = tl.constexpr(BT.bit_length() - 1)
+
+
+@triton.jit
+def merge_halves(T, N, r, c, B: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """``(I + N)^-1`` on blocks of ``2B`` rows from ``T``, its inverse on blocks of ``B`` rows (``r, c``: the row and
+    column indices, broadcast to ``T``'s shape): ``T - T C T``, ``C`` the lower-left ``B x B`` part of each
+    ``2B``-block of ``N``. ``(I + N_B + C) = (I + N_B)(I + T C)`` and ``(T C)^2 = 0``."""
+    C = tl.where((r // (2 * B) == c // (2 * B)) & (r // B > c // B), N, 0.0)
+    return T - mm(T, mm(C, T, PREC, DT), PREC, DT)
+
 
 @triton.jit
 def solve_unit_lower(N2, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
                      DT: tl.constexpr):
-    """``(I + N)^-1 [BT, BT]`` for strictly lower triangular ``N [BT, BT]``."""
-    N3 = tl.reshape(N2, (NB, BC, BT))  # row blocks
+    """``(I + N)^-1 [BT, BT]`` for strictly lower triangular ``N [BT, BT]``.
+
+    Block substitution with the solved block size doubled at each step (:func:`merge_halves`): from the identity,
+    1 -> 2 -> 4 -> 8 -> 16 rows on the four diagonal blocks at once (batched ``[NB, BC, BC]`` products), then
+    16 -> 32 -> 64 on the whole chunk. Two tensor-core products per step; no step reads a row at a time.
+    """
     blk = tl.arange(0, NB)
-    r = tl.arange(0, BC)
-    r3 = r[None, :, None]
-    c3 = r[None, None, :]
     on_diag4 = blk[:, None, None, None] == blk[None, None, :, None]  # [I, 1, J, 1]
-    # the diagonal blocks N[I, I]                                                   [NB, BC, BC]
-    Nd = tl.sum(tl.where(on_diag4, tl.reshape(N3, (NB, BC, NB, BC)), 0.0), axis=2)
-    # their inverses, all four at once: row i = e_i - sum_{c < i} N[i, c] Td[c, :]
+    Nd = tl.sum(tl.where(on_diag4, tl.reshape(N2, (NB, BC, NB, BC)), 0.0), axis=2)  # the diagonal blocks
+    r3 = tl.arange(0, BC)[None, :, None]
+    c3 = tl.arange(0, BC)[None, None, :]
     Td = tl.where(r3 == c3, 1.0, 0.0) + tl.zeros((NB, BC, BC), dtype=DT)
-    for i in range(1, BC):
-        n_i = tl.sum(tl.where(r3 == i, Nd, 0.0), axis=1)  # [NB, BC] row i of each block
-        t_i = -tl.sum(n_i[:, :, None] * Td, axis=1)  # [NB, BC]
-        Td = tl.where(r3 == i, t_i[:, None, :] + tl.where(c3 == i, 1.0, 0.0), Td)
-    T3 = tl.reshape(tl.where(on_diag4, Td[:, :, None, :], 0.0), (NB, BC, BT))
+    # the small batched products of the diagonal blocks run at fp32 accuracy whatever PREC (3xTF32 at most)
+    for lvl in tl.static_range(LOG2_BC):
+        if PREC == "ieee":
+            Td = merge_halves(Td, Nd, r3, c3, 1 << lvl, "ieee", DT)
+        else:
+            Td = merge_halves(Td, Nd, r3, c3, 1 << lvl, "tf32x3", DT)
+    T2 = tl.reshape(tl.where(on_diag4, Td[:, :, None, :], 0.0), (BT, BT))
+    rows = tl.arange(0, BT)[:, None]
     cols = tl.arange(0, BT)[None, :]
-    for i_b in tl.static_range(1, NB):
-        sel = blk[:, None, None] == i_b
-        N_I = tl.where(cols < i_b * BC, tl.sum(tl.where(sel, N3, 0.0), axis=0), 0.0)  # [BC, BT]: N[I, <I]
-        R = mm(N_I, tl.reshape(T3, (BT, BT)), PREC, DT)  # N[I, <I] Tm[<I, :]
-        Td_I = tl.sum(tl.where(sel, Td, 0.0), axis=0)  # [BC, BC]
-        T3 += tl.where(sel, -mm(Td_I, R, PREC, DT)[None, :, :], 0.0)
-    return tl.reshape(T3, (BT, BT))
+    for lvl in tl.static_range(LOG2_BC, LOG2_BT):
+        T2 = merge_halves(T2, N2, rows, cols, 1 << lvl, PREC, DT)
+    return T2
 
 
 @triton.jit
@@ -91,6 +106,26 @@ def wy_pass(T2, k, v, g, beta, A_log, dt_bias, W, U, tok, m, i_h, i_hv, H, HV, l
         m_v = col_mask(o_v, V, BV)
         bv = load2(v + i_hv * V, tok, m, HV * V, o_v, m_v, DT) * beta2
         store2(U + i_hv * V, tok, m, HV * V, o_v, m_v, mm(T2, bv, PREC, DT))
+
+
+@triton.jit
+def wy_stored(Tb, v, W, U, tok, m, i_hv, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+              PREC: tl.constexpr, DT: tl.constexpr):
+    """``W = Tb Kt`` and ``U = Tb V`` for ``Tb = Tm diag(beta) [BT, BT]``, where ``W`` holds ``Kt = k exp(Gam)`` of
+    the chunk's rows on entry (stored by this program's key tiles, in ``W``'s dtype): no second pass over ``k`` and
+    ``g``. Each tile of ``W`` is read, then overwritten by the same program."""
+    tl.debug_barrier()  # every thread's Kt stores before any thread's loads
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = col_mask(o_k, K, BK)
+        Kt = load2(W + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
+        tl.debug_barrier()  # every thread's loads of this tile before any thread's stores
+        store2(W + i_hv * K, tok, m, HV * K, o_k, m_k, mm(Tb, Kt, PREC, DT))
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = col_mask(o_v, V, BV)
+        vv = load2(v + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
+        store2(U + i_hv * V, tok, m, HV * V, o_v, m_v, mm(Tb, vv, PREC, DT))
 
 
 @triton.jit
@@ -158,4 +193,4 @@ def chunk_solve(
 
 _launch_solve = Launcher(chunk_solve_kernel)
 
-__all__ = ["chunk_solve", "solve_unit_lower", "wy_pass"]
+__all__ = ["chunk_solve", "merge_halves", "solve_unit_lower", "wy_pass", "wy_stored"]
