@@ -179,3 +179,45 @@ def test_export() -> None:
     assert any("kda.chunk" in str(n.target) for n in ep.graph.nodes)
     for a, b in zip(ep.module()(*args), _Layer()(*args)):
         torch.testing.assert_close(a, b)
+
+
+def test_eager_calls_skip_the_dispatcher_only_when_it_would_only_pick_the_kernel(monkeypatch: Any) -> None:
+    """The public functions call the op's kernel function directly in plain eager calls (the decode step's host
+    cost), and the op whenever autograd, a dispatch or function mode, or a tensor subclass needs the dispatcher."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kda_ops import ops
+
+    direct_calls: list[str] = []
+    for name in ("recurrent", "chunk", "recurrent_update_"):
+        op = getattr(ops, name)
+        kernel = ops._DIRECT[op]
+        monkeypatch.setitem(ops._DIRECT, op, lambda *a, _k=kernel, _n=name: direct_calls.append(_n) or _k(*a))
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            return func(*args, **(kwargs or {}))
+
+    x = make_inputs(2, 5, 1, 8, 8, HV=2)
+    h0 = make_state(2, 2, 8, 8)
+    via_op = torch.ops.kda.recurrent(*_op_args(x, h0=h0, final=True))
+    o, s = kda_ops.recurrent_kda(**x, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                 use_beta_sigmoid_in_kernel=True)  # fmt: skip
+    assert direct_calls == ["recurrent"]
+    assert torch.equal(o, via_op[0]) and s is not None and torch.equal(s, via_op[1])
+    kda_ops.chunk_kda(**x)
+    pool = make_state(4, 2, 8, 8)
+    kda_ops.recurrent_kda_update_(**x, state_pool=pool, state_indices=torch.tensor([2, 0]))
+    assert direct_calls == ["recurrent", "chunk", "recurrent_update_"]
+    # autograd records the op: through the dispatcher
+    q = x["q"].clone().requires_grad_(True)
+    o, _ = kda_ops.recurrent_kda(**{**x, "q": q})
+    assert o.requires_grad and len(direct_calls) == 3
+    with torch.no_grad():
+        kda_ops.recurrent_kda(**{**x, "q": q})
+    assert len(direct_calls) == 4
+    # a dispatch mode and a tensor subclass see the op
+    with Passthrough():
+        kda_ops.recurrent_kda(**x)
+    kda_ops.recurrent_kda(**{**x, "q": torch.nn.Parameter(x["q"], requires_grad=False)})
+    assert len(direct_calls) == 4

@@ -154,7 +154,8 @@ def _run(
     allow_neg_eigval: bool,
 ) -> tuple[Tensor, Tensor | None]:
     s = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound)
-    o, final = op(
+    fn = ops.direct(op, (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)) or op
+    o, final = fn(
         q,
         k,
         v,
@@ -222,7 +223,7 @@ def chunk_kda(
     allow_neg_eigval: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     return _run(
-        torch.ops.kda.chunk, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+        ops.chunk, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
         use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel,
         allow_neg_eigval,
     )  # fmt: skip
@@ -248,7 +249,7 @@ def recurrent_kda(
     allow_neg_eigval: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     return _run(
-        torch.ops.kda.recurrent, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+        ops.recurrent, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
         use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel,
         allow_neg_eigval,
     )  # fmt: skip
@@ -327,7 +328,9 @@ def recurrent_kda_update_(
     """
     s = _validate(q, k, v, g, beta, scale, None, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound)
     _validate_pool(q, v, state_pool, state_indices, cu_seqlens)
-    o: Tensor = torch.ops.kda.recurrent_update_(
+    op = ops.recurrent_update_
+    fn = ops.direct(op, (q, k, v, g, beta, state_pool, state_indices, cu_seqlens, A_log, dt_bias)) or op
+    o: Tensor = fn(
         q, k, v, g, beta, state_pool, state_indices, s, cu_seqlens, A_log, dt_bias,
         None if lower_bound is None else float(lower_bound), bool(use_qk_l2norm_in_kernel),
         bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval),

@@ -106,6 +106,37 @@ def _options(
     return Options(use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, lower_bound)
 
 
+# -------------------------------------------------------------------------------------- eager fast path
+
+# The kernel function of each forward op and of the serving op: what the dispatcher calls on every backend.
+_DIRECT: dict[Any, Callable[..., Any]] = {}
+
+
+def direct(op: Any, tensors: tuple[Optional[Tensor], ...]) -> Optional[Callable[..., Any]]:
+    """The function that ``op`` (a forward op or the serving op) would run on these tensor inputs, when calling it
+    directly is the same call; else None (call the op).
+
+    It is the same call when the dispatcher would do nothing but pick it: the call is eager (not traced by
+    ``torch.compile`` or ``torch.export``), no torch function or dispatch mode is active, every tensor is a plain
+    ``torch.Tensor`` (no fake, functional or subclass tensor) and, with grad mode on, none requires grad (autograd
+    would record the op). An eager decode step then skips ~9 µs of dispatcher, ~12 µs outside inference_mode
+    (H200 host, torch 2.11, 2026-11-29). Checking costs ~0.5 µs.
+    """
+    fn = _DIRECT.get(op)
+    if (
+        fn is None
+        or torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._is_torch_function_mode_enabled()
+    ):
+        return None
+    grad = torch.is_grad_enabled()
+    for x in tensors:
+        if x is not None and (type(x) is not Tensor or (grad and x.requires_grad)):
+            return None
+    return fn
+
+
 # ----------------------------------------------------------------------------------------------- forward
 
 
@@ -171,7 +202,9 @@ def _forward(op: str, ref: Callable[..., tuple[Tensor, Tensor]]) -> Any:
     # reference); fake tensors take the fake function below
     _lib.impl(op, fwd, "CompositeExplicitAutograd")
     torch.library.register_fake(f"kda::{op}", fake, lib=_lib)
-    return getattr(torch.ops.kda, op).default
+    overload = getattr(torch.ops.kda, op).default
+    _DIRECT[overload] = fwd
+    return overload
 
 
 def _backward(op: str, ref: Callable[..., tuple[Optional[Tensor], ...]]) -> Any:
@@ -314,6 +347,7 @@ for _key in ("CPU", "CUDA"):
 _lib.impl("recurrent_update_", torch.library.fallthrough_kernel, "Autograd")
 torch.library.register_fake("kda::recurrent_update_", _recurrent_update_fake, lib=_lib)
 recurrent_update_ = torch.ops.kda.recurrent_update_.default
+_DIRECT[recurrent_update_] = _recurrent_update_impl
 
 
 # ---------------------------------------------------------------------------------------------- autograd
