@@ -53,10 +53,20 @@ def _triton_path() -> Iterator[None]:
         yield
 
 
+def _clear_launch_caches() -> None:
+    tr.launch_config.cache_clear()
+    tr._forward_meta.cache_clear()
+
+
 @pytest.fixture
-def small_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Value tiles of 4: several tiles per head even at V <= 16, so the per-tile partial sums are exercised."""
+def small_tiles(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Value tiles of 4: several tiles per head even at V <= 16, so the per-tile partial sums are exercised (the
+    launch configuration is cached: the caches are cleared on the way in and out)."""
     monkeypatch.setattr(tr, "BV_MAX", 4)
+    _clear_launch_caches()
+    yield
+    monkeypatch.undo()
+    _clear_launch_caches()
 
 
 def _case(

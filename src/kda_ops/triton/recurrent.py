@@ -38,7 +38,11 @@ from kda_ops.triton.launch import Launcher
 # 2026-11-29; decode, K = V = 128, graph-replayed serving step, µs at B = 1/16/64/256): BV = 64 with 2 warps
 # 9.2/26.2/83.4/300.8, against 8.7/27.6/90.0/328.2 for BV = 32 with 4 warps and 9.2/26.2/84.7/308.1 for
 # BV = 64 with 4; BV = 16 is 1.5-1.8x slower from B = 64, BV = 128 and 8 warps slower everywhere. Cache hints on
-# the state (evict-first load, streaming store) made the B = 64 step slower: 75.3 -> 79.5 µs (2026-11-29).
+# the state (evict-first load, streaming store) made the B = 64 step slower: 75.3 -> 79.5 µs (2026-11-29). A
+# persistent grid (4 programs per SM walking the tiles) gained 1 % at B = 64 and 3.4 % at B = 256 (serving step,
+# 82.8 -> 81.7 and 299.6 -> 289.3 µs) and lost at B = 1; reading the next tile's state into registers while the
+# current one runs (double buffering) was 20-25 % slower from B = 64 (two tiles per program halve the resident
+# programs), an L2 prefetch of it slower too (93.5-98.7 µs at B = 64). Not taken: a second kernel path for ~1 %.
 BV_MAX = 64
 ELEMENTS_PER_WARP = 4096  # state elements per warp: 128 fp32 registers per thread for the state tile
 
