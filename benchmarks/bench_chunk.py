@@ -238,12 +238,14 @@ def bv_sweep() -> list[str]:
 
 
 def stage_calls(x: dict[str, torch.Tensor]) -> dict[str, Callable[[], Any]]:
-    """Each part of our forward on ``x`` alone, by name: the chunk map and the stage launchers, each on the
-    factors of the stages before it (computed once here)."""
+    """Each part of our forward on ``x`` alone, by name: the chunk map, the fused stages 1-3 that the forward runs,
+    and the stage launchers one by one (stages 2 and 3 as the staged pipeline and the backward's recompute run
+    them), each on the factors of the stages before it (computed once here)."""
     from kda_ops.triton import chunk_state as ts
     from kda_ops.triton.chunk_common import BT, precision_for
     from kda_ops.triton.chunk_intra import chunk_intra
     from kda_ops.triton.chunk_output import chunk_output
+    from kda_ops.triton.chunk_prepare import chunk_prepare
     from kda_ops.triton.chunk_solve import chunk_solve
     from kda_ops.varlen import chunk_map
 
@@ -259,6 +261,8 @@ def stage_calls(x: dict[str, torch.Tensor]) -> dict[str, Callable[[], Any]]:
     assert Hin is not None and E is not None
     return {
         "chunk map (varlen.chunk_map)": lambda: chunk_map(None, B, T, BT, x["q"].device),
+        "stages 1-3 chunk_prepare (fused: the forward's path)": lambda: chunk_prepare(
+            f["q"], f["k"], f["v"], f["g"], f["beta"], D**-0.5, slots, None, None, opts, p),
         "stage 2 chunk_intra (Mqk, Mkk, Qt, Kend; cumsum fused; two passes)": lambda: chunk_intra(
             f["q"], f["k"], f["g"], f["beta"], D**-0.5, slots, None, None, opts, p),
         "stage 3 chunk_solve (W, U)": lambda: chunk_solve(

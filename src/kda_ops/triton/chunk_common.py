@@ -79,11 +79,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def autotune_configs(configs: list[Any]) -> list[Any]:
-    """``configs``, or only the first under the interpreter (which cannot benchmark several)."""
-    return configs[:1] if interpreting() else configs
-
-
 def compute_dtype(x: Tensor) -> Any:
     """Triton compute type: fp64 for fp64 inputs (exact checks), fp32 otherwise."""
     return tl.float64 if x.dtype == torch.float64 else tl.float32
