@@ -31,7 +31,15 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kda_ops.triton import chunk_cumsum, chunk_intra, chunk_output, chunk_prepare, chunk_solve, chunk_state  # noqa: E402
+from kda_ops.triton import (  # noqa: E402
+    chunk_cumsum,
+    chunk_intra,
+    chunk_map,
+    chunk_output,
+    chunk_prepare,
+    chunk_solve,
+    chunk_state,
+)
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float64: "*fp64",
@@ -125,6 +133,8 @@ def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
                                                  scan(256, 256, 16, F32, ("tf32x3", "tf32x3")), 4, 1),
         "scan staged fp32 K=V=100": (chunk_state.chunk_state_kernel, scan(100, 100, 64, F32, ("ieee", "ieee"), False),
                                      4, 1),
+        "dense chunk map": (chunk_map.dense_map_kernel, dict(buf=I64, B=3, T=1000, NC=50, nch=16, C=64, BLOCK=1024),
+                            4, 1),
         "cumsum": (chunk_cumsum.chunk_cumsum_kernel, dict(stage, g=F32, A_log=F32, dt_bias=F32, Gam=F32, Gl=F32,
                                                           K=100, BK=64), 4, 1),
         **{f"intra {'blocks' if blocks else 'anchored'} K={K} BK={bk}": (chunk_intra.chunk_intra_kernel,

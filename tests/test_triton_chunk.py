@@ -398,3 +398,20 @@ def test_warmup_is_public_and_a_noop_on_the_cpu() -> None:
     x = _case("l2norm", 1, 8, 1, 8, 8, HV=1)
     assert "warmup" in kda_ops.__all__
     kda_ops.warmup(x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=True)
+
+
+@pytest.mark.parametrize(("B", "T"), [(1, 1), (1, 64), (2, 63), (3, 65), (7, 130), (2, 1000), (3, 40000)])
+def test_dense_slot_map_equals_the_torch_map(B: int, T: int) -> None:
+    """The one-launch map of a dense batch (several programs at T = 40000) equals ``varlen.chunk_map``'s, and with
+    ``cu_seqlens`` the drivers take ``varlen.chunk_map`` itself."""
+    from kda_ops.triton.chunk_map import slot_map
+    from kda_ops.varlen import chunk_map
+
+    got = slot_map(None, B, T, torch.device("cpu"))
+    ref = chunk_map(None, B, T, BT, torch.device("cpu"))
+    for name in ("cu", "start", "count", "offset"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+    cu = torch.tensor([0, 5, 5, B * T])
+    got = slot_map(cu, B, T, torch.device("cpu"))
+    ref = chunk_map(cu, B, T, BT, torch.device("cpu"))
+    assert all(torch.equal(getattr(got, n), getattr(ref, n)) for n in ("cu", "start", "count", "offset"))

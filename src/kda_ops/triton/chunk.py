@@ -25,14 +25,14 @@ from __future__ import annotations
 from torch import Tensor
 
 from kda_ops.common import Options, forward_outputs, state_dtype
-from kda_ops.triton.chunk_common import BT, Precision, contiguous, precision_for
+from kda_ops.triton.chunk_common import Precision, contiguous, precision_for
 from kda_ops.triton.chunk_intra import chunk_intra
+from kda_ops.triton.chunk_map import slot_map
 from kda_ops.triton.chunk_output import chunk_output
 from kda_ops.triton.chunk_prepare import chunk_prepare
 from kda_ops.triton.chunk_solve import chunk_solve
 from kda_ops.triton.chunk_state import chunk_state
 from kda_ops.triton.debug import poison
-from kda_ops.varlen import chunk_map
 
 # Measured on the H200 (triton 3.6, 2026-11-29, B1 T32768 H32 bf16, same error o 3.11e-3 at T = 1000 every way):
 # stages 1-3 fused 4.49 -> 4.10 ms for the forward; the scan with the outputs fused in (no per-chunk states through
@@ -83,7 +83,7 @@ def chunk_fwd(
     if B * T == 0:
         return o, _no_tokens(final, h0, output_final_state)
     p = precision or precision_for(v.dtype)
-    slots = chunk_map(cu_seqlens, B, T, BT, v.device)
+    slots = slot_map(cu_seqlens, B, T, v.device)
     cu = slots.cu
     poison(o, final)
     # stages 1-3, fused per chunk: Gam; Mqk, Mkk, Qt, Kend; Tm = (I + Mkk)^-1, W = Tm beta Kt, U = Tm beta V
@@ -127,7 +127,7 @@ def chunk_fwd_staged(
     if B * T == 0:
         return o, _no_tokens(final, h0, output_final_state)
     p = precision or precision_for(v.dtype)
-    slots = chunk_map(cu_seqlens, B, T, BT, v.device)
+    slots = slot_map(cu_seqlens, B, T, v.device)
     cu = slots.cu
     qf, kf, vf, gf, bf = (_flat(x) for x in (q, k, v, g, beta))
     A_log, dt_bias = _opt(A_log), _opt(dt_bias)

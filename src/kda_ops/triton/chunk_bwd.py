@@ -11,7 +11,7 @@ Per value head, chunks of ``BT = 64`` tokens, the forward's notation (:mod:`kda_
     dq, dk summed over each group of value heads; chain rules of the options          (chunk_bwd_gates)
 
 Nothing reads a value on the host and every allocation is shaped by ``T``, ``N`` and the head sizes: the chunk-slot
-map (:func:`kda_ops.varlen.chunk_map`) is static, the scan reads ``cu_seqlens`` on the device.
+map (:func:`kda_ops.triton.chunk_map.slot_map`) is static, the scan reads ``cu_seqlens`` on the device.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from kda_ops.triton.chunk_bwd_dv import chunk_bwd_dv
 from kda_ops.triton.chunk_bwd_gates import prepare, prepare_bwd
 from kda_ops.triton.chunk_bwd_recompute import chunk_bwd_recompute, recompute_precision
 from kda_ops.triton.chunk_bwd_scan import chunk_bwd_scan
-from kda_ops.triton.chunk_common import BT, contiguous, interpreting
-from kda_ops.varlen import chunk_map, flat_cu_seqlens
+from kda_ops.triton.chunk_common import contiguous, interpreting
+from kda_ops.triton.chunk_map import slot_map
+from kda_ops.varlen import flat_cu_seqlens
 
 
 def product_precisions(dtype: torch.dtype) -> tuple[str, str]:
@@ -78,7 +79,7 @@ def chunk_bwd(
         dv_t = torch.zeros_like(vf, dtype=dt)
         dh0: Tensor = torch.zeros(N, HV, K, V, dtype=dt, device=v.device) if dht is None else dht.to(dt)
     else:
-        slots = chunk_map(cu_seqlens, B, T, BT, v.device)
+        slots = slot_map(cu_seqlens, B, T, v.device)
         cu = slots.cu
         h0 = None if initial_state is None else contiguous(initial_state.to(dt))
         prec, prec_t = product_precisions(v.dtype)
