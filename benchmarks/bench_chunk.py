@@ -254,8 +254,9 @@ def stage_calls(x: dict[str, torch.Tensor]) -> dict[str, Callable[[], Any]]:
     p = precision_for(torch.bfloat16)
     f = {n: t.flatten(0, 1) for n, t in x.items()}
     slots = chunk_map(None, B, T, BT, x["q"].device)
-    Mqk, Mkk, Qt, Kend, Gl = chunk_intra(f["q"], f["k"], f["g"], f["beta"], D**-0.5, slots, None, None, opts, p)
-    _, W, U = chunk_solve(Mkk, f["k"], f["v"], f["g"], f["beta"], slots, None, None, opts, p, store_tm=False)
+    Mqk, Mkk, Qt, Kend, Kt, Gl = chunk_intra(f["q"], f["k"], f["g"], f["beta"], D**-0.5, slots, None, None, opts, p)
+    Kt_timed = Kt.clone()  # the timed solve writes W over it, call after call (the values drift, not the time)
+    _, W, U = chunk_solve(Mkk, Kt, f["v"], f["beta"], slots, opts, p, store_tm=False)
     final = torch.empty(B, H, D, D, device=x["q"].device)
     Hin, E = ts.chunk_state(W, U, Kend, Gl, None, slots.cu, p, final=final, store_states=True, offsets=slots.offset)
     assert Hin is not None and E is not None
@@ -263,10 +264,10 @@ def stage_calls(x: dict[str, torch.Tensor]) -> dict[str, Callable[[], Any]]:
         "chunk map (varlen.chunk_map)": lambda: chunk_map(None, B, T, BT, x["q"].device),
         "stages 1-3 chunk_prepare (fused: the forward's path)": lambda: chunk_prepare(
             f["q"], f["k"], f["v"], f["g"], f["beta"], D**-0.5, slots, None, None, opts, p),
-        "stage 2 chunk_intra (Mqk, Mkk, Qt, Kend; cumsum fused; two passes)": lambda: chunk_intra(
+        "stage 2 chunk_intra (Mqk, Mkk, Qt, Kend, Kt; cumsum fused; two passes)": lambda: chunk_intra(
             f["q"], f["k"], f["g"], f["beta"], D**-0.5, slots, None, None, opts, p),
         "stage 3 chunk_solve (W, U)": lambda: chunk_solve(
-            Mkk, f["k"], f["v"], f["g"], f["beta"], slots, None, None, opts, p, store_tm=False),
+            Mkk, Kt_timed, f["v"], f["beta"], slots, opts, p, store_tm=False),
         "stage 4 chunk_state (the scan, states kept)": lambda: ts.chunk_state(
             W, U, Kend, Gl, None, slots.cu, p, final=final, store_states=True, offsets=slots.offset),
         "stage 5 chunk_output": lambda: chunk_output(Qt, Mqk, Hin, E, slots, p, torch.bfloat16),

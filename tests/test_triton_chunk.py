@@ -122,6 +122,13 @@ def _used(slots: Any) -> torch.Tensor:
     return slots.count > 0
 
 
+def _kt(c: dict[str, Any]) -> torch.Tensor:
+    """The float64 ``Kt = k exp(Gam) [T, HV, K]`` of a stage case (the solve's operand of ``W``)."""
+    p = c["p"]
+    Gam, _ = oracle.chunk_cumsum(p["g"], c["slots"], BT)
+    return p["k"].repeat_interleave(Gam.shape[1] // p["k"].shape[1], dim=1) * torch.exp(Gam)
+
+
 @pytest.mark.parametrize("option", ["plain", "gate", "gate_no_dt_bias", "lower_bound", "lower_bound_no_A"])
 def test_stage_cumsum(option: str) -> None:
     c = _stage_case(torch.float32, gates="reset" if option == "plain" else "normal", option=option)
@@ -148,11 +155,11 @@ def test_stage_intra(dtype: torch.dtype, gates: str, option: str) -> None:
     prec = EXACT if dtype == torch.float32 else precision_for(dtype)
     got = ti.chunk_intra(f["q"], f["k"], f["g"], f["beta"], 0.4, c["slots"], c["A_log"], c["dt_bias"], c["opts"], prec)
     ref = oracle.chunk_intra(p["q"], p["k"], p["g"], p["beta"], 0.4, c["slots"], BT)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2  # fp16: Qt and Kend are stored in bf16
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # fp16: Qt, Kend and Kt are stored in bf16
     used = _used(c["slots"])
-    for name, a, b in zip(("Mqk", "Mkk", "Qt", "Kend"), got[:4], ref[:4]):
+    for name, a, b in zip(("Mqk", "Mkk", "Qt", "Kend", "Kt"), got[:5], (*ref[:4], _kt(c))):
         assert_rel(a, b, 1e-5 if name.startswith("M") else tol, name)
-    assert_rel(got[4][used], ref[4][used], 1e-5, "Gam_last")  # the gate in fp32
+    assert_rel(got[5][used], ref[4][used], 1e-5, "Gam_last")  # the gate in fp32
 
 
 @pytest.mark.parametrize(
@@ -161,7 +168,7 @@ def test_stage_intra(dtype: torch.dtype, gates: str, option: str) -> None:
         # the factored diagonal blocks switched off: the exact pairwise path
         ("FACTOR_SPAN", ("Mqk", "Mkk"), 1e-6),
         # every chunk flagged for the second (block-path) pass: two fp32 factorings of the same decays
-        ("ANCHOR_SPAN", ("Mqk", "Mkk", "Qt", "Kend"), 1e-5),
+        ("ANCHOR_SPAN", ("Mqk", "Mkk", "Qt", "Kend", "Kt"), 1e-5),
     ],
     ids=["pairwise_path_equals_factored", "block_pass_equals_anchored_pass"],
 )
@@ -191,8 +198,7 @@ def test_stage_solve(gates: str, option: str) -> None:
     c = _stage_case(torch.float32, gates, option)
     f, p = c["flat"], c["p"]
     _, Mkk, *_ = oracle.chunk_intra(p["q"], p["k"], p["g"], p["beta"], 0.4, c["slots"], BT)
-    got = chunk_solve(Mkk.float(), f["k"], f["v"], f["g"], f["beta"], c["slots"], c["A_log"], c["dt_bias"],
-                      c["opts"], EXACT)  # fmt: skip
+    got = chunk_solve(Mkk.float(), _kt(c).float(), f["v"], f["beta"], c["slots"], c["opts"], EXACT)
     ref = oracle.chunk_solve(Mkk, p["k"], p["v"], p["g"], p["beta"], c["slots"], BT)
     for name, a, b in zip(("Tm", "W", "U"), got, ref):
         assert_rel(a, b, 1e-5, name)
@@ -215,7 +221,7 @@ def test_stage_solve_ill_conditioned(entry: float) -> None:
         N = torch.tril(torch.full((count, count), entry, dtype=F64), diagonal=-1)
         Mkk[start : start + count, :, :count] = N[:, None, :]
         ref[start : start + count, :, :count] = torch.linalg.inv(torch.eye(count, dtype=F64) + N)[:, None, :]
-    Tm, _, _ = chunk_solve(Mkk.float(), f["k"], f["v"], f["g"], f["beta"], slots, None, None, c["opts"], EXACT)
+    Tm, _, _ = chunk_solve(Mkk.float(), _kt(c).float(), f["v"], f["beta"], slots, c["opts"], EXACT)
     assert_rel(Tm, ref, 1e-5, "Tm")
 
 

@@ -131,8 +131,8 @@ def chunk_fwd_staged(
     cu = slots.cu
     qf, kf, vf, gf, bf = (_flat(x) for x in (q, k, v, g, beta))
     A_log, dt_bias = _opt(A_log), _opt(dt_bias)
-    Mqk, Mkk, Qt, Kend, Gl = chunk_intra(qf, kf, gf, bf, scale, slots, A_log, dt_bias, opts, p)
-    _, W, U = chunk_solve(Mkk, kf, vf, gf, bf, slots, A_log, dt_bias, opts, p, store_tm=False)
+    Mqk, Mkk, Qt, Kend, Kt, Gl = chunk_intra(qf, kf, gf, bf, scale, slots, A_log, dt_bias, opts, p)
+    _, W, U = chunk_solve(Mkk, Kt, vf, bf, slots, opts, p, store_tm=False)
     poison(final)
     Hin, E = chunk_state(W, U, Kend, Gl, h0, cu, p, final=final if output_final_state else None, store_states=True,
                          offsets=slots.offset)  # fmt: skip

@@ -80,8 +80,8 @@ def chunk_bwd_recompute(
 ) -> Recomputed:
     """Prepared ``q, k [T, H, K]``, ``v [T, HV, V]``, log decay ``g [T, HV, K]``, ``beta [T, HV]``; ``h0`` in the
     compute dtype or None; ``cu`` the sanitized flat ``cu_seqlens`` and ``slots`` its chunk map."""
-    Mqk, Mkk, Qt, Kend, Gl = chunk_intra(q, k, g, beta, scale, slots, None, None, _NO_OPTIONS, precision)
-    Tm, W, U = chunk_solve(Mkk, k, v, g, beta, slots, None, None, _NO_OPTIONS, precision)
+    Mqk, Mkk, Qt, Kend, Kt, Gl = chunk_intra(q, k, g, beta, scale, slots, None, None, _NO_OPTIONS, precision)
+    Tm, W, U = chunk_solve(Mkk, Kt, v, beta, slots, _NO_OPTIONS, precision)
     Hin, E = chunk_state(W, U, Kend, Gl, h0, cu, precision, store_states=True, offsets=offsets)
     assert Hin is not None and E is not None
     return Recomputed(Mqk, Qt, Kend, Gl, Tm, W, Hin, E)

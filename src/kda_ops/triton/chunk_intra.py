@@ -4,7 +4,7 @@ Per chunk and value head (``backward.md``, "The chunk, in rows")::
 
     Mqk[i, j] = s      sum_d q_id k_jd exp(Gam_id - Gam_jd)    j <= i
     Mkk[i, j] = beta_i sum_d k_id k_jd exp(Gam_id - Gam_jd)    j <  i
-    Qt_i = s q_i exp(Gam_i),   Kend_i = k_i exp(Gam_last - Gam_i),   Gam_last
+    Qt_i = s q_i exp(Gam_i),   Kend_i = k_i exp(Gam_last - Gam_i),   Kt_i = k_i exp(Gam_i),   Gam_last
 
 No factor ``exp(-Gam)`` over the chunk ever appears (it overflows beyond a span of ~88 nats). Each key tile takes
 one of two paths, chosen from the tile's decays on the device:
@@ -141,10 +141,9 @@ def intra_anchored(qs, kk, E, Mqk, Mkk, PREC: tl.constexpr, DT: tl.constexpr, SP
 @triton.jit
 def key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c, i_h, i_hv, H, HV, scale, lower_bound, rq, rk,
              i_k, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr,
-             USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, DT: tl.constexpr, STORE_KT: tl.constexpr):
-    """Load key tile ``i_k`` of the chunk and store its ``Qt``, ``Kend`` and ``Gam_last`` (and ``Kt = k exp(Gam)``
-    into ``Kt [T, HV, K]`` with ``STORE_KT``: the operand of ``W``, kept for :func:`~kda_ops.triton.chunk_solve.
-    wy_stored`).
+             USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, DT: tl.constexpr):
+    """Load key tile ``i_k`` of the chunk and store its ``Qt``, ``Kend``, ``Kt = k exp(Gam)`` (the operand of ``W``,
+    :func:`~kda_ops.triton.chunk_solve.wy_stored`) and ``Gam_last``.
 
     Returns ``s q``, ``k`` (l2-normalised when asked), ``g`` (after the gate) and ``E = Gam - Gam_mid``, ``[BT, BK]``.
     """
@@ -158,8 +157,7 @@ def key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c, i_h, i_hv, 
     store2(Qt + i_hv * K, tok, m, HV * K, o_k, m_k, qs * tl.exp(Gam))
     store2(Kend + i_hv * K, tok, m, HV * K, o_k, m_k, kk * tl.exp(to_end))
     tl.store(Gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, gl.to(Gl.dtype.element_ty), mask=m_k)
-    if STORE_KT:
-        store2(Kt + i_hv * K, tok, m, HV * K, o_k, m_k, kk * tl.exp(Gam))
+    store2(Kt + i_hv * K, tok, m, HV * K, o_k, m_k, kk * tl.exp(Gam))
     return qs, kk, g2, E
 
 
@@ -186,7 +184,8 @@ def intra_masks(Mqk, Mkk, beta, BT: tl.constexpr):
 
 @triton.jit
 def chunk_intra_kernel(
-    q, k, g, beta, A_log, dt_bias, Mqk, Mkk, Qt, Kend, Gl, flag, slot_start, slot_count, scale, lower_bound, H, HV,
+    q, k, g, beta, A_log, dt_bias, Mqk, Mkk, Qt, Kend, Kt, Gl, flag, slot_start, slot_count, scale, lower_bound, H,
+    HV,
     K: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
     USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr, USE_BIAS: tl.constexpr,
     USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
@@ -210,8 +209,8 @@ def chunk_intra_kernel(
     Mkk2 = tl.zeros((BT, BT), dtype=DT)
     ok = True
     for i_k in range(tl.cdiv(K, BK)):
-        qs, kk, g2, E = key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, Qt, tok, m, i_c, i_h, i_hv, H, HV, scale,
-                                 lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT, False)
+        qs, kk, g2, E = key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c, i_h, i_hv, H, HV, scale,
+                                 lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)
         if BLOCKS:
             Mqk2, Mkk2 = intra_blocks(qs, kk, g2, Mqk2, Mkk2, NB, BC, BT, BK, PREC, DT, SPAN)
         else:
@@ -238,12 +237,12 @@ def chunk_intra(
     dt_bias: Tensor | None,
     opts: Options,
     precision: Precision,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(Mqk, Mkk, Qt, Kend, Gam_last)`` of every chunk slot, from the flat token stream.
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(Mqk, Mkk, Qt, Kend, Kt, Gam_last)`` of every chunk slot, from the flat token stream.
 
     Inputs: ``q, k [T, H, K]``, ``g [T, HV, K]``, ``beta [T, HV]`` as given to the public function (the options
     are applied in kernel). Outputs: ``Mqk, Mkk [T, HV, BT]`` (row ``t`` holds its chunk row; columns past the
-    chunk's tokens are 0) in the compute dtype; ``Qt, Kend [T, HV, K]`` in ``precision.store``;
+    chunk's tokens are 0) in the compute dtype; ``Qt, Kend, Kt [T, HV, K]`` in ``precision.store``;
     ``Gam_last [NC, HV, K]`` in the compute dtype (empty slots not written).
     """
     T, H, K = q.shape
@@ -254,20 +253,21 @@ def chunk_intra(
     Mkk = torch.empty_like(Mqk)
     Qt = q.new_empty(T, HV, K, dtype=precision.store)
     Kend = torch.empty_like(Qt)
+    Kt = torch.empty_like(Qt)
     Gl = q.new_empty(NC, HV, K, dtype=dtype)
     flag = q.new_empty(NC, HV, dtype=torch.int8)
-    poison(Mqk, Mkk, Qt, Kend, Gl)
+    poison(Mqk, Mkk, Qt, Kend, Kt, Gl)
     for blocks in (False, True):
         _launch_intra(
             (NC, HV),
-            (contiguous(q), contiguous(k), contiguous(g), contiguous(beta), A_log, dt_bias, Mqk, Mkk, Qt, Kend, Gl,
-             flag, slots.start, slots.count, float(scale),
+            (contiguous(q), contiguous(k), contiguous(g), contiguous(beta), A_log, dt_bias, Mqk, Mkk, Qt, Kend, Kt,
+             Gl, flag, slots.start, slots.count, float(scale),
              0.0 if opts.lower_bound is None else float(opts.lower_bound), H, HV),
             dict(K=K, NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm, BETA_SIGMOID=opts.use_beta_sigmoid,
                  NEG_EIGVAL=opts.allow_neg_eigval, PREC=precision.intra, DT=compute_dtype(q), ASPAN=ANCHOR_SPAN,
                  SPAN=FACTOR_SPAN, BLOCKS=blocks, **gate_flags(opts, A_log, dt_bias), **launch("intra", BK=K)),
         )  # fmt: skip
-    return Mqk, Mkk, Qt, Kend, Gl
+    return Mqk, Mkk, Qt, Kend, Kt, Gl
 
 
 _launch_intra = Launcher(chunk_intra_kernel)

@@ -88,7 +88,7 @@ def chunk_prepare_kernel(
     span = 0.0
     for i_k in range(tl.cdiv(K, BK)):
         qs, kk, g2, E = key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, W, tok, m, i_c, i_h, i_hv, H, HV, scale,
-                                 lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT, True)
+                                 lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)
         span = tl.maximum(span, max2(tl.abs(E)).to(tl.float32))  # fp32 whatever DT: a loop-carried scalar
         Mqk2, Mkk2 = intra_anchored(qs, kk, E, Mqk2, Mkk2, PREC_INTRA, DT, ASPAN)
     tl.store(Flag + i_c.to(tl.int64) * HV + i_hv, (span > ASPAN).to(tl.int32))
@@ -119,7 +119,7 @@ def chunk_prepare_blocks_kernel(
     Mkk2 = tl.zeros((BT, BT), dtype=DT)
     for i_k in range(tl.cdiv(K, BK)):
         qs, kk, g2, E = key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, W, tok, m, i_c, i_h, i_hv, H, HV, scale,
-                                 lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT, True)
+                                 lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)
         Mqk2, Mkk2 = intra_blocks(qs, kk, g2, Mqk2, Mkk2, NB, BC, BT, BK, PREC_INTRA, DT, SPAN)
     solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT, BETA_SIGMOID,
                     NEG_EIGVAL, PREC_SOLVE, PREC_WY, DT)  # fmt: skip

@@ -7,7 +7,9 @@ solved block size doubled at each step: with ``T`` the inverse on blocks of ``B`
 identity (1 -> 64 rows), two tensor-core products each; the first four on the diagonal 16x16 blocks at once. Each
 step computes entries of the inverse itself (no power series, no cancellation between large terms).
 
-``Kt_i = k_i exp(Gam_i)`` never exceeds ``|k_i|``; ``W`` and ``U`` are stored in ``precision.store``.
+``W = Tm diag(beta) Kt`` comes from ``Kt_i = k_i exp(Gam_i)`` as the intra stage (or the fused prepare kernel's key
+tiles) stored it, in ``precision.store`` (``|Kt_i| <= |k_i|``): no second pass over ``k`` and ``g`` recomputing
+the decays. ``W`` and ``U`` are stored in ``precision.store``.
 """
 
 from __future__ import annotations
@@ -30,11 +32,9 @@ from kda_ops.triton.chunk_common import (
     load2,
     load_beta2,
     mm,
-    rnorm2,
     slot_rows,
     store2,
 )
-from kda_ops.triton.chunk_cumsum import gate_flags, load_log_decay
 from kda_ops.triton.debug import poison
 from kda_ops.triton.launch import Launcher
 from kda_ops.varlen import SlotRows
@@ -83,37 +83,12 @@ def solve_unit_lower(N2, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, P
 
 
 @triton.jit
-def wy_pass(T2, k, v, g, beta, A_log, dt_bias, W, U, tok, m, i_h, i_hv, H, HV, lower_bound, rk,
-            K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-            USE_GATE: tl.constexpr, USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr,
-            BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
-    """Store ``W = Tm diag(beta) Kt`` and ``U = Tm diag(beta) V`` for ``Tm = T2 [BT, BT]`` (rows ``tok``).
-
-    ``Kt = k exp(Gam)`` is recomputed from ``g`` (a prefix sum of one sign: no cancellation); ``rk`` is the
-    l2norm factor of the rows of k (or 1.0).
-    """
-    beta2 = load_beta2(beta, tok, m, HV, i_hv, BETA_SIGMOID, NEG_EIGVAL, DT)[:, None]
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = col_mask(o_k, K, BK)
-        kk = load2(k + i_h * K, tok, m, H * K, o_k, m_k, DT) * rk
-        g2 = load_log_decay(g + i_hv * K, A_log, dt_bias, tok, m, HV * K, o_k, m_k, i_hv, lower_bound, K,
-                            USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)  # fmt: skip
-        bKt = beta2 * kk * tl.exp(tl.cumsum(g2, axis=0))
-        store2(W + i_hv * K, tok, m, HV * K, o_k, m_k, mm(T2, bKt, PREC, DT))
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = col_mask(o_v, V, BV)
-        bv = load2(v + i_hv * V, tok, m, HV * V, o_v, m_v, DT) * beta2
-        store2(U + i_hv * V, tok, m, HV * V, o_v, m_v, mm(T2, bv, PREC, DT))
-
-
-@triton.jit
 def wy_stored(Tb, v, W, U, tok, m, i_hv, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
               PREC: tl.constexpr, DT: tl.constexpr):
     """``W = Tb Kt`` and ``U = Tb V`` for ``Tb = Tm diag(beta) [BT, BT]``, where ``W`` holds ``Kt = k exp(Gam)`` of
-    the chunk's rows on entry (stored by this program's key tiles, in ``W``'s dtype): no second pass over ``k`` and
-    ``g``. Each tile of ``W`` is read, then overwritten by the same program."""
+    the chunk's rows on entry (stored by the key tiles in ``W``'s dtype: by this program's in the fused prepare
+    kernel, by the intra stage's otherwise): no second pass over ``k`` and ``g``. Each tile of ``W`` is read, then
+    overwritten by the same program."""
     tl.debug_barrier()  # every thread's Kt stores before any thread's loads
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
@@ -130,14 +105,12 @@ def wy_stored(Tb, v, W, U, tok, m, i_hv, HV, K: tl.constexpr, V: tl.constexpr, B
 
 @triton.jit
 def chunk_solve_kernel(
-    Mkk, k, v, g, beta, A_log, dt_bias, Tm, W, U, slot_start, slot_count, lower_bound, H, HV,
+    Mkk, W, v, beta, Tm, U, slot_start, slot_count, HV,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr,
-    BT: tl.constexpr, USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr,
-    USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
-    PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr, DT: tl.constexpr, STORE_TM: tl.constexpr,
+    BT: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, PREC_SOLVE: tl.constexpr,
+    PREC_WY: tl.constexpr, DT: tl.constexpr, STORE_TM: tl.constexpr,
 ):  # fmt: skip
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    i_h = i_hv // (HV // H)
     count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
     if count == 0:
         return
@@ -146,51 +119,41 @@ def chunk_solve_kernel(
     T2 = solve_unit_lower(load2(Mkk + i_hv * BT, tok, m, HV * BT, cols, m_c, DT), NB, BC, BT, PREC_SOLVE, DT)
     if STORE_TM:
         store2(Tm + i_hv * BT, tok, m, HV * BT, cols, m_c, T2)
-    if USE_L2NORM:
-        rk = rnorm2(k + i_h * K, tok, m, H * K, K, BK, BT, DT)
-    else:
-        rk = 1.0
-    wy_pass(T2, k, v, g, beta, A_log, dt_bias, W, U, tok, m, i_h, i_hv, H, HV, lower_bound, rk, K, V, BK, BV, BT,
-            USE_GATE, USE_A, USE_BIAS, USE_BOUND, BETA_SIGMOID, NEG_EIGVAL, PREC_WY, DT)  # fmt: skip
+    beta2 = load_beta2(beta, tok, m, HV, i_hv, BETA_SIGMOID, NEG_EIGVAL, DT)
+    wy_stored(T2 * beta2[None, :], v, W, U, tok, m, i_hv, HV, K, V, BK, BV, PREC_WY, DT)
 
 
 def chunk_solve(
     Mkk: Tensor,
-    k: Tensor,
+    Kt: Tensor,
     v: Tensor,
-    g: Tensor,
     beta: Tensor,
     slots: SlotRows,
-    A_log: Tensor | None,
-    dt_bias: Tensor | None,
     opts: Options,
     precision: Precision,
     store_tm: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(Tm, W, U)`` of every chunk slot: ``Tm [T, HV, BT]`` in the compute dtype, ``W [T, HV, K]`` and
-    ``U [T, HV, V]`` in ``precision.store``. ``Mkk [T, HV, BT]`` as from
-    :func:`~kda_ops.triton.chunk_intra.chunk_intra`; ``k [T, H, K]``, ``v [T, HV, V]``, ``g [T, HV, K]``,
-    ``beta [T, HV]`` as given to the public function. ``store_tm=False`` (the forward) leaves ``Tm`` unwritten
-    (and unallocated: an empty tensor); only the backward reads it."""
-    T, H, K = k.shape
-    HV, V = v.shape[1], v.shape[2]
+    ``U [T, HV, V]`` in ``precision.store``. ``Mkk`` and ``Kt [T, HV, K]`` as from
+    :func:`~kda_ops.triton.chunk_intra.chunk_intra`; ``W`` is written over ``Kt`` (the returned ``W`` is ``Kt``).
+    ``v [T, HV, V]``, ``beta [T, HV]`` as given to the public function. ``store_tm=False`` (the forward) leaves
+    ``Tm`` unwritten (and unallocated: an empty tensor); only the backward reads it."""
+    T, HV, K = Kt.shape
+    V = v.shape[2]
     NC = slots.start.shape[0]
     Tm = torch.empty_like(Mkk) if store_tm else Mkk.new_empty(0)
-    W = k.new_empty(T, HV, K, dtype=precision.store)
-    U = v.new_empty(T, HV, V, dtype=precision.store)
-    poison(Tm, W, U)
+    U = v.new_empty(T, HV, V, dtype=Kt.dtype)
+    poison(Tm, U)
     _launch_solve(
         (NC, HV),
-        (contiguous(Mkk), contiguous(k), contiguous(v), contiguous(g), contiguous(beta), A_log, dt_bias, Tm, W, U,
-         slots.start, slots.count, 0.0 if opts.lower_bound is None else float(opts.lower_bound), H, HV),
-        dict(K=K, V=V, NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm,
-             BETA_SIGMOID=opts.use_beta_sigmoid, NEG_EIGVAL=opts.allow_neg_eigval, PREC_SOLVE=precision.solve,
-             PREC_WY=precision.wy, DT=compute_dtype(k), STORE_TM=store_tm, **gate_flags(opts, A_log, dt_bias),
+        (contiguous(Mkk), Kt, contiguous(v), contiguous(beta), Tm, U, slots.start, slots.count, HV),
+        dict(K=K, V=V, NB=NB, BC=BC, BT=BT, BETA_SIGMOID=opts.use_beta_sigmoid, NEG_EIGVAL=opts.allow_neg_eigval,
+             PREC_SOLVE=precision.solve, PREC_WY=precision.wy, DT=compute_dtype(Mkk), STORE_TM=store_tm,
              **launch("solve", BK=K, BV=V)),
     )  # fmt: skip
-    return Tm, W, U
+    return Tm, Kt, U
 
 
 _launch_solve = Launcher(chunk_solve_kernel)
 
-__all__ = ["chunk_solve", "merge_halves", "solve_unit_lower", "wy_pass", "wy_stored"]
+__all__ = ["chunk_solve", "merge_halves", "solve_unit_lower", "wy_stored"]
