@@ -100,11 +100,12 @@ def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
                 prec: tuple[str, str, str] = ("tf32", "tf32", "tf32"), dt: Any = tl.float32,
                 gate: bool = False) -> dict[str, Any]:  # fmt: skip
         a = dict(q=x, k=x, v=x, g=F32, beta=x, A_log=F32 if gate else None, dt_bias=F32 if gate else None,
-                 Mqk=store, W=store, U=store, Qt=store, Kend=store, Gl=F32 if dt == tl.float32 else F64, Flag=I32,
+                 Mqk=store, W=store, U=store, Qt=store, Kend=store, Gl=F32 if dt == tl.float32 else F64, Tm=None,
+                 Flag=I32,
                  slot_start=I64, slot_count=I64, scale=0.1, lower_bound=0.0, H=2, HV=32, K=K, V=V,
                  BK=32 if blocks else 64, BV=min(V, 64), NB=4, BC=16, BT=64, USE_L2NORM=True, USE_GATE=gate,
                  USE_A=gate, USE_BIAS=gate, USE_BOUND=False, BETA_SIGMOID=gate, NEG_EIGVAL=gate,
-                 PREC_INTRA=prec[0], PREC_SOLVE=prec[1], PREC_WY=prec[2], DT=dt)  # fmt: skip
+                 PREC_INTRA=prec[0], PREC_SOLVE=prec[1], PREC_WY=prec[2], DT=dt, STORE_TM=False)  # fmt: skip
         a.update({"SPAN": 80.0, "CHECK_FLAG": True} if blocks else {"ASPAN": 80.0})
         return a
 

@@ -284,3 +284,7 @@ def test_l2norm_and_its_gradient(K: int, dtype: torch.dtype) -> None:
     assert y.dtype == torch.float32 and dx.dtype == torch.float32
     assert_rel(y, yr.detach(), 1e-6)
     assert_rel(dx, dxr, 1e-5)
+    # the driver's form: the gradient stored in the input's own dtype, one rounding of the fp32 value
+    dx_in = l2norm_bwd(xd, dy.float(), dtype)
+    assert dx_in.dtype == dtype
+    assert torch.equal(dx_in, dx.to(dtype))

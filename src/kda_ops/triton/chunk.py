@@ -87,7 +87,7 @@ def chunk_fwd(
     cu = slots.cu
     poison(o, final)
     # stages 1-3, fused per chunk: Gam; Mqk, Mkk, Qt, Kend; Tm = (I + Mkk)^-1, W = Tm beta Kt, U = Tm beta V
-    Mqk, W, U, Qt, Kend, Gl = chunk_prepare(
+    Mqk, W, U, Qt, Kend, Gl, _ = chunk_prepare(
         _flat(q), _flat(k), _flat(v), _flat(g), _flat(beta), scale, slots, _opt(A_log), _opt(dt_bias), opts, p
     )
     if FUSE_SCAN_OUTPUT:

@@ -99,18 +99,21 @@ def chunk_bwd_dv(
     slots: SlotRows,
     prec: str,
     prec_t: str,
+    dv_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dv [T, HV, V], dbeta [T, HV] partial, dMqk, dMkk [T, HV, BT], dKt [T, HV, K], Gam [T, HV, K])``.
 
     Inputs prepared (options applied): ``k [T, H, K]``, ``v [T, HV, V]``, the log decay ``g [T, HV, K]``,
     ``beta [T, HV]``; ``Tm [T, HV, BT]``, ``Hin [NC, HV, K, V]``, ``E [T, HV, V]`` from the recomputed forward;
-    ``dE [T, HV, V]`` from the reverse scan; ``dO [T, HV, V]``. Outputs in the compute dtype (``Tm``'s).
+    ``dE [T, HV, V]`` from the reverse scan; ``dO [T, HV, V]``. Outputs in the compute dtype (``Tm``'s); ``dv`` in
+    ``dv_dtype`` when given (the driver asks for v's own: one rounding of the same fp32 value, and no conversion
+    pass over ``[T, HV, V]`` afterwards).
     """
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     NC = slots.start.shape[0]
     dt = Tm.dtype  # the compute dtype (Hin and E may be stored in bf16)
-    dv = v.new_empty(T, HV, V, dtype=dt)
+    dv = v.new_empty(T, HV, V, dtype=dt if dv_dtype is None else dv_dtype)
     dbeta = v.new_empty(T, HV, dtype=dt)
     dMqk = v.new_empty(T, HV, BT, dtype=dt)
     dMkk = torch.empty_like(dMqk)

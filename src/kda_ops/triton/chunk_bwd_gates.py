@@ -52,13 +52,14 @@ def prepare_bwd(
     q: Tensor, k: Tensor, g: Tensor, beta: Tensor, A_log: Tensor | None, dt_bias: Tensor | None, opts: Options,
     dq: Tensor, dk: Tensor, dg: Tensor, dbeta: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:  # fmt: skip
-    """Chain the gradients of the prepared tensors to the raw inputs (in dq's dtype).
+    """Chain the gradients of the prepared tensors to the raw inputs (in dq's dtype; with l2norm, dq and dk come out
+    of its gradient kernel in q's and k's own dtypes: no conversion pass afterwards).
 
     Returns ``(dq, dk, dg, dbeta, dA_log, ddt_bias)``; the last two are None unless the gate is in kernel.
     """
     dtype = dq.dtype
     if opts.use_qk_l2norm:
-        dq, dk = l2norm_bwd(q, dq), l2norm_bwd(k, dk)
+        dq, dk = l2norm_bwd(q, dq, q.dtype), l2norm_bwd(k, dk, k.dtype)
     dA: Tensor | None = None
     ddt: Tensor | None = None
     if opts.use_gate:

@@ -53,28 +53,30 @@ from kda_ops.varlen import SlotRows
 
 
 @triton.jit
-def solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, tok, m, i_hv, HV, K: tl.constexpr, V: tl.constexpr,
+def solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, Tm, tok, m, i_hv, HV, K: tl.constexpr, V: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
                     BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, PREC_SOLVE: tl.constexpr,
-                    PREC_WY: tl.constexpr, DT: tl.constexpr):
-    """Masks; store Mqk; stage 3: ``Tm = (I + Mkk)^-1``, ``W = Tm diag(beta) Kt`` (``Kt`` as the key tiles left
-    it in ``W``) and ``U = Tm diag(beta) V``."""
+                    PREC_WY: tl.constexpr, DT: tl.constexpr, STORE_TM: tl.constexpr):
+    """Masks; store Mqk; stage 3: ``Tm = (I + Mkk)^-1`` (stored when ``STORE_TM``), ``W = Tm diag(beta) Kt``
+    (``Kt`` as the key tiles left it in ``W``) and ``U = Tm diag(beta) V``."""
     beta2 = load_beta2(beta, tok, m, HV, i_hv, BETA_SIGMOID, NEG_EIGVAL, DT)
     Mqk2, Mkk2 = intra_masks(Mqk2, Mkk2, beta2, BT)
     cols = tl.arange(0, BT)
     store2(Mqk + i_hv * BT, tok, m, HV * BT, cols, col_mask(cols, BT, BT), Mqk2)
     T2 = solve_unit_lower(Mkk2, NB, BC, BT, PREC_SOLVE, DT)
+    if STORE_TM:
+        store2(Tm + i_hv * BT, tok, m, HV * BT, cols, col_mask(cols, BT, BT), T2)
     wy_stored(T2 * beta2[None, :], v, W, U, tok, m, i_hv, HV, K, V, BK, BV, PREC_WY, DT)
 
 
 @triton.jit
 def chunk_prepare_kernel(
-    q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Flag, slot_start, slot_count, scale, lower_bound,
+    q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Flag, slot_start, slot_count, scale, lower_bound,
     H, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
     BC: tl.constexpr, BT: tl.constexpr, USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr,
     USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
     PREC_INTRA: tl.constexpr, PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr, DT: tl.constexpr,
-    ASPAN: tl.constexpr,
+    STORE_TM: tl.constexpr, ASPAN: tl.constexpr,
 ):  # fmt: skip
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -93,18 +95,18 @@ def chunk_prepare_kernel(
         Mqk2, Mkk2 = intra_anchored(qs, kk, E, Mqk2, Mkk2, PREC_INTRA, DT, ASPAN)
     tl.store(Flag + i_c.to(tl.int64) * HV + i_hv, (span > ASPAN).to(tl.int32))
     if span <= ASPAN:
-        solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT, BETA_SIGMOID,
-                        NEG_EIGVAL, PREC_SOLVE, PREC_WY, DT)  # fmt: skip
+        solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, Tm, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT,
+                        BETA_SIGMOID, NEG_EIGVAL, PREC_SOLVE, PREC_WY, DT, STORE_TM)  # fmt: skip
 
 
 @triton.jit
 def chunk_prepare_blocks_kernel(
-    q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Flag, slot_start, slot_count, scale, lower_bound,
+    q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Flag, slot_start, slot_count, scale, lower_bound,
     H, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
     BC: tl.constexpr, BT: tl.constexpr, USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr,
     USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
     PREC_INTRA: tl.constexpr, PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr, DT: tl.constexpr,
-    SPAN: tl.constexpr, CHECK_FLAG: tl.constexpr,
+    STORE_TM: tl.constexpr, SPAN: tl.constexpr, CHECK_FLAG: tl.constexpr,
 ):  # fmt: skip
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -121,8 +123,8 @@ def chunk_prepare_blocks_kernel(
         qs, kk, g2, E = key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, W, tok, m, i_c, i_h, i_hv, H, HV, scale,
                                  lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)
         Mqk2, Mkk2 = intra_blocks(qs, kk, g2, Mqk2, Mkk2, NB, BC, BT, BK, PREC_INTRA, DT, SPAN)
-    solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT, BETA_SIGMOID,
-                    NEG_EIGVAL, PREC_SOLVE, PREC_WY, DT)  # fmt: skip
+    solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, Tm, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT, BETA_SIGMOID,
+                    NEG_EIGVAL, PREC_SOLVE, PREC_WY, DT, STORE_TM)  # fmt: skip
 
 
 def anchored_path_usable(opts: Options) -> bool:
@@ -145,34 +147,38 @@ def chunk_prepare(
     dt_bias: Tensor | None,
     opts: Options,
     precision: Precision,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(Mqk, W, U, Qt, Kend, Gam_last)`` of every chunk slot, from the flat token stream.
+    store_tm: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """``(Mqk, W, U, Qt, Kend, Gam_last, Tm)`` of every chunk slot, from the flat token stream.
 
     Inputs: ``q, k [T, H, K]``, ``v [T, HV, V]``, ``g [T, HV, K]``, ``beta [T, HV]`` as given to the public
     function. Outputs: ``Mqk [T, HV, BT]``, ``W, Qt, Kend [T, HV, K]``, ``U [T, HV, V]`` in ``precision.store``;
-    ``Gam_last [NC, HV, K]`` in the compute dtype (empty slots not written).
+    ``Gam_last [NC, HV, K]`` in the compute dtype (empty slots not written). With ``store_tm`` (the backward's
+    recompute), ``Mqk`` and ``Tm = (I + Mkk)^-1 [T, HV, BT]`` in the compute dtype, else ``Tm`` is None.
     """
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     NC = slots.start.shape[0]
     store = precision.store
-    Mqk = q.new_empty(T, HV, BT, dtype=store)
+    Mqk = q.new_empty(T, HV, BT, dtype=state_dtype(v) if store_tm else store)
+    Tm = torch.empty_like(Mqk) if store_tm else None
     W = q.new_empty(T, HV, K, dtype=store)
     Qt = torch.empty_like(W)
     Kend = torch.empty_like(W)
     U = v.new_empty(T, HV, V, dtype=store)
     Gl = q.new_empty(NC, HV, K, dtype=state_dtype(v))
     Flag = q.new_empty(NC, HV, dtype=torch.int32)
-    poison(Mqk, W, U, Qt, Kend, Gl, Flag)
+    poison(Mqk, W, U, Qt, Kend, Gl, Tm, Flag)
     args = (
         contiguous(q), contiguous(k), contiguous(v), contiguous(g), contiguous(beta), A_log, dt_bias,
-        Mqk, W, U, Qt, Kend, Gl, Flag, slots.start, slots.count, float(scale),
+        Mqk, W, U, Qt, Kend, Gl, Tm, Flag, slots.start, slots.count, float(scale),
         0.0 if opts.lower_bound is None else float(opts.lower_bound), H, HV,
     )  # fmt: skip
     meta = dict(
         K=K, V=V, NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm,
         BETA_SIGMOID=opts.use_beta_sigmoid, NEG_EIGVAL=opts.allow_neg_eigval, PREC_INTRA=precision.intra,
-        PREC_SOLVE=precision.solve, PREC_WY=precision.wy, DT=compute_dtype(v), **gate_flags(opts, A_log, dt_bias),
+        PREC_SOLVE=precision.solve, PREC_WY=precision.wy, DT=compute_dtype(v), STORE_TM=store_tm,
+        **gate_flags(opts, A_log, dt_bias),
     )  # fmt: skip
     anchored = anchored_path_usable(opts)
     if anchored:
@@ -180,7 +186,7 @@ def chunk_prepare(
     _launch_blocks(
         (NC, HV), args, dict(meta, SPAN=FACTOR_SPAN, CHECK_FLAG=anchored, **launch("prepare_blocks", BK=K, BV=V))
     )
-    return Mqk, W, U, Qt, Kend, Gl
+    return Mqk, W, U, Qt, Kend, Gl, Tm
 
 
 _launch_prepare = Launcher(chunk_prepare_kernel)

@@ -48,7 +48,7 @@ def _launch(x: Tensor, dy: Tensor | None, dtype: torch.dtype) -> Tensor:
         return out
     _l2norm_kernel[(cdiv(R, ROWS),)](
         x, x if dy is None else contiguous(dy), out, R, K=K, BK=pow2(K), BR=ROWS, BACKWARD=dy is not None,
-        EPS=L2NORM_EPS, DT=compute_dtype(out), num_warps=4,
+        EPS=L2NORM_EPS, DT=compute_dtype(out if dy is None else dy), num_warps=4,
     )  # fmt: skip
     return out
 
@@ -58,9 +58,10 @@ def l2norm(x: Tensor, dtype: torch.dtype) -> Tensor:
     return _launch(x, None, dtype)
 
 
-def l2norm_bwd(x: Tensor, dy: Tensor) -> Tensor:
-    """The gradient of :func:`l2norm` at ``x`` for the output gradient ``dy``, in ``dy``'s dtype."""
-    return _launch(x, dy, dy.dtype)
+def l2norm_bwd(x: Tensor, dy: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """The gradient of :func:`l2norm` at ``x`` for the output gradient ``dy``, in ``dtype`` (default ``dy``'s),
+    computed in ``dy``'s compute dtype (fp32, fp64 for fp64)."""
+    return _launch(x, dy, dy.dtype if dtype is None else dtype)
 
 
 __all__ = ["l2norm", "l2norm_bwd"]
