@@ -18,9 +18,24 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kda_ops.triton.chunk_common import BT, cdiv, col_mask, compute_dtype, contiguous, launch, load2, mm, pow2, store2
+from kda_ops.triton.chunk_common import BT, cdiv, col_mask, compute_dtype, contiguous, launch, mm, pow2, store2, tile2
 from kda_ops.triton.chunk_state import chunk_offsets, scan_block_v
 from kda_ops.triton.debug import poison
+
+
+@triton.jit
+def chunk_tiles(dO, Mqk, Kend, Qt, W, Gl, tok, m, c, j, i_hv, HV, o_k, m_k, o_v, m_v, rows, m_r,
+                K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
+    """Chunk ``j`` (slot ``c``) of the reverse scan's inputs in their stored dtypes: ``dO [BT, BV]``, ``Mqk
+    [BT, BT]``, ``Kend, Qt, W [BT, BK]``, ``Gam_last [BK]`` (``m`` masks the rows, ``j < 0`` the last)."""
+    do = tile2(dO + i_hv * V, tok, m, HV * V, o_v, m_v)
+    A = tile2(Mqk + i_hv * BT, tok, m, HV * BT, rows, m_r)
+    ke = tile2(Kend + i_hv * K, tok, m, HV * K, o_k, m_k)
+    qt = tile2(Qt + i_hv * K, tok, m, HV * K, o_k, m_k)
+    w = tile2(W + i_hv * K, tok, m, HV * K, o_k, m_k)
+    # a block mask, not block & scalar: triton 3.9's interpreter rejects the mixed form
+    gl = tl.load(Gl + (c * HV + i_hv) * K + o_k, mask=m_k & (o_k * 0 + j >= 0), other=0.0)
+    return do, A, ke, qt, w, gl
 
 
 @triton.jit
@@ -49,21 +64,20 @@ def chunk_bwd_scan_kernel(
     else:
         dS = tl.zeros((BK, BV), dtype=DT)
     nc = tl.cdiv(eos - bos, BT).to(tl.int32)
+    # each chunk's tiles load together (stored dtypes) before the step's stores: before, the second half's loads
+    # waited for the store of dE (which they might alias), a second memory round trip per step. Loading the
+    # previous chunk's tiles ahead, as the forward's scan does, spills 528 B per thread (ptxas, sm_90).
     for jj in range(nc):
         j = nc - 1 - jj
+        c = c0 + j
         tok = bos + j * BT + rows
         m = tok < eos
-        c = c0 + j
+        do, A, ke, qt, w, gl = chunk_tiles(dO, Mqk, Kend, Qt, W, Gl, tok, m, c, j, i_hv, HV, o_k, m_k, o_v, m_v,
+                                           rows, m_r, K, V, BT)  # fmt: skip
         tl.store(dSp + (c * HV + i_hv) * K * V + p_s, dS.to(dSp.dtype.element_ty), mask=m_s)
-        do = load2(dO + i_hv * V, tok, m, HV * V, o_v, m_v, DT)  # [BT, BV]
-        A = load2(Mqk + i_hv * BT, tok, m, HV * BT, rows, m_r, DT)  # [BT, BT]
-        ke = load2(Kend + i_hv * K, tok, m, HV * K, o_k, m_k, DT)  # [BT, BK]
         de = mm(ke, dS, PREC, DT) + mm(tl.trans(A), do, PREC, DT)  # [BT, BV]
         store2(dE + i_hv * V, tok, m, HV * V, o_v, m_v, de)
-        qt = load2(Qt + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
-        w = load2(W + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
-        gl = tl.load(Gl + (c * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(DT)
-        dS = dS * tl.exp(gl)[:, None] + mm(tl.trans(qt), do, PREC, DT) - mm(tl.trans(w), de, PREC, DT)
+        dS = dS * tl.exp(gl.to(DT))[:, None] + mm(tl.trans(qt), do, PREC, DT) - mm(tl.trans(w), de, PREC, DT)
     if STORE_DH0:
         tl.store(dh0 + s_off + p_s, dS.to(dh0.dtype.element_ty), mask=m_s)
 
