@@ -202,6 +202,7 @@ def chunk_bwd_dqk_kernel(
             Gmid = tl.load(p_mid + o_k, mask=m_k, other=0.0).to(DT)
             daq, dak, dbk, dbeta_kk = anchored_bwd(qq, kk, Gm, Gmid, dMqk, dMkk, beta, tok, m, i_hv, HV, scale, BT,
                                                    PREC, DT, ASPAN)  # fmt: skip
+        dkt = load2(dKt + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
         db += dbeta_kk
         dq_t = daq
         dk_t = dak + dbk
@@ -219,8 +220,6 @@ def chunk_bwd_dqk_kernel(
         sdQt = scale * eG * dQt
         dq_t += sdQt
         dGam += qq * sdQt
-        store2(dq + i_hv * K, tok, m, HV * K, o_k, m_k, dq_t)
-        dkt = load2(dKt + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
         edkt = eG * dkt
         dk_t += edkt
         dGam += kk * edkt
@@ -242,6 +241,8 @@ def chunk_bwd_dqk_kernel(
         Ke = kk * eE
         dk_t += eE * dKe
         dGam -= Ke * dKe
+        # the tile's stores after all of its loads: a load after a store it might alias cannot be issued early
+        store2(dq + i_hv * K, tok, m, HV * K, o_k, m_k, dq_t)
         store2(dk + i_hv * K, tok, m, HV * K, o_k, m_k, dk_t)
         dGl = tl.sum(Ke * dKe, axis=0) + tl.exp(gl) * dsh
         dGam += tl.where(rows[:, None] == BT - 1, dGl[None, :], 0.0)
