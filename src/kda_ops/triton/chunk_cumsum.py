@@ -49,7 +49,15 @@ def load_log_decay(g, A_log, dt_bias, tok, m, stride, o_k, m_k, i_hv, lower_boun
         g = lower_bound * sigmoid(exp(A_log) * (x + dt_bias))   (exp(A_log) omitted without A_log)
     """
     mask = m[:, None] & m_k[None, :]
-    x = tl.load(g + tok[:, None] * stride + o_k[None, :], mask=mask, other=0.0).to(DT)
+    x = tl.load(g + tok[:, None] * stride + o_k[None, :], mask=mask, other=0.0)
+    return gate(x, mask, A_log, dt_bias, o_k, m_k, i_hv, lower_bound, K, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)
+
+
+@triton.jit
+def gate(x, mask, A_log, dt_bias, o_k, m_k, i_hv, lower_bound, K: tl.constexpr, USE_GATE: tl.constexpr,
+         USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, DT: tl.constexpr):
+    """:func:`load_log_decay` after the load: ``x [BT, BK]`` as loaded (0 outside ``mask``) to the log decay."""
+    x = x.to(DT)
     if USE_GATE:
         if USE_BIAS:
             x = x + tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(DT)[None, :]
@@ -140,4 +148,4 @@ def chunk_local_cumsum(
     return Gam, Gl
 
 
-__all__ = ["block_decays", "chunk_decays", "chunk_local_cumsum", "gate_flags", "load_log_decay", "softplus"]
+__all__ = ["block_decays", "chunk_decays", "chunk_local_cumsum", "gate", "gate_flags", "load_log_decay", "softplus"]

@@ -42,7 +42,6 @@ from kda_ops.triton.chunk_common import (
     compute_dtype,
     contiguous,
     launch,
-    load2,
     load_beta2,
     max2,
     mm,
@@ -50,7 +49,7 @@ from kda_ops.triton.chunk_common import (
     slot_rows,
     store2,
 )
-from kda_ops.triton.chunk_cumsum import block_decays, chunk_decays, gate_flags, load_log_decay
+from kda_ops.triton.chunk_cumsum import block_decays, chunk_decays, gate, gate_flags
 from kda_ops.triton.debug import poison
 from kda_ops.triton.launch import Launcher
 from kda_ops.varlen import SlotRows
@@ -139,6 +138,20 @@ def intra_anchored(qs, kk, E, Mqk, Mkk, PREC: tl.constexpr, DT: tl.constexpr, SP
 
 
 @triton.jit
+def key_loads(q, k, g, tok, m, i_h, i_hv, H, HV, i_k, K: tl.constexpr, BK: tl.constexpr):
+    """Key tile ``i_k`` of the chunk's ``q``, ``k`` and raw ``g`` as loaded, ``[BT, BK]`` each (the loads of
+    :func:`key_tile`, apart so that a loop can issue the next tile's while it computes this one)."""
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = col_mask(o_k, K, BK)
+    mask = m[:, None] & m_k[None, :]
+    rows = tok[:, None]
+    xq = tl.load(q + i_h * K + rows * (H * K) + o_k[None, :], mask=mask, other=0.0)
+    xk = tl.load(k + i_h * K + rows * (H * K) + o_k[None, :], mask=mask, other=0.0)
+    xg = tl.load(g + i_hv * K + rows * (HV * K) + o_k[None, :], mask=mask, other=0.0)
+    return xq, xk, xg
+
+
+@triton.jit
 def key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c, i_h, i_hv, H, HV, scale, lower_bound, rq, rk,
              i_k, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr,
              USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, DT: tl.constexpr):
@@ -147,12 +160,22 @@ def key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c, i_h, i_hv, 
 
     Returns ``s q``, ``k`` (l2-normalised when asked), ``g`` (after the gate) and ``E = Gam - Gam_mid``, ``[BT, BK]``.
     """
+    xq, xk, xg = key_loads(q, k, g, tok, m, i_h, i_hv, H, HV, i_k, K, BK)
+    return key_compute(xq, xk, xg, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c, i_hv, HV, scale, lower_bound, rq,
+                       rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)  # fmt: skip
+
+
+@triton.jit
+def key_compute(xq, xk, xg, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c, i_hv, HV, scale, lower_bound, rq, rk,
+                i_k, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, USE_GATE: tl.constexpr,
+                USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, DT: tl.constexpr):
+    """:func:`key_tile` from the tiles as :func:`key_loads` loaded them."""
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = col_mask(o_k, K, BK)
-    qs = load2(q + i_h * K, tok, m, H * K, o_k, m_k, DT) * (rq * scale)
-    kk = load2(k + i_h * K, tok, m, H * K, o_k, m_k, DT) * rk
-    g2 = load_log_decay(g + i_hv * K, A_log, dt_bias, tok, m, HV * K, o_k, m_k, i_hv, lower_bound, K,
-                        USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)  # fmt: skip
+    qs = xq.to(DT) * (rq * scale)
+    kk = xk.to(DT) * rk
+    g2 = gate(xg, m[:, None] & m_k[None, :], A_log, dt_bias, o_k, m_k, i_hv, lower_bound, K, USE_GATE, USE_A,
+              USE_BIAS, USE_BOUND, DT)  # fmt: skip
     Gam, to_end, gl, E = chunk_decays(g2, BT)
     store2(Qt + i_hv * K, tok, m, HV * K, o_k, m_k, qs * tl.exp(Gam))
     store2(Kend + i_hv * K, tok, m, HV * K, o_k, m_k, kk * tl.exp(to_end))
@@ -279,6 +302,8 @@ __all__ = [
     "intra_blocks",
     "intra_masks",
     "intra_tile",
+    "key_compute",
+    "key_loads",
     "key_tile",
     "on_diagonal",
     "qk_norms",

@@ -34,6 +34,7 @@ from kda_ops.triton.chunk_common import (
     mm,
     slot_rows,
     store2,
+    tile2,
 )
 from kda_ops.triton.debug import poison
 from kda_ops.triton.launch import Launcher
@@ -89,18 +90,28 @@ def wy_stored(Tb, v, W, U, tok, m, i_hv, HV, K: tl.constexpr, V: tl.constexpr, B
     the chunk's rows on entry (stored by the key tiles in ``W``'s dtype: by this program's in the fused prepare
     kernel, by the intra stage's otherwise): no second pass over ``k`` and ``g``. Each tile of ``W`` is read, then
     overwritten by the same program."""
+    # Each tile is loaded one step ahead, before the store of the tile before it: a load after a store that it
+    # might alias cannot be issued early, so each step would wait for its own load.
+    NK: tl.constexpr = (K + BK - 1) // BK
+    NV: tl.constexpr = (V + BV - 1) // BV
     tl.debug_barrier()  # every thread's Kt stores before any thread's loads
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = col_mask(o_k, K, BK)
-        Kt = load2(W + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
+    o_k = tl.arange(0, BK)
+    Kt = tile2(W + i_hv * K, tok, m, HV * K, o_k, col_mask(o_k, K, BK))
+    for i_k in range(NK):
+        o_n = (i_k + 1) * BK + tl.arange(0, BK)
+        Kt_n = tile2(W + i_hv * K, tok, m, HV * K, o_n, o_n < tl.where(i_k + 1 < NK, K, 0))
         tl.debug_barrier()  # every thread's loads of this tile before any thread's stores
-        store2(W + i_hv * K, tok, m, HV * K, o_k, m_k, mm(Tb, Kt, PREC, DT))
-    for i_v in range(tl.cdiv(V, BV)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        store2(W + i_hv * K, tok, m, HV * K, o_k, col_mask(o_k, K, BK), mm(Tb, Kt, PREC, DT))
+        Kt = Kt_n
+    o_v = tl.arange(0, BV)
+    vv = tile2(v + i_hv * V, tok, m, HV * V, o_v, col_mask(o_v, V, BV))
+    for i_v in range(NV):
+        o_n = (i_v + 1) * BV + tl.arange(0, BV)
+        vv_n = tile2(v + i_hv * V, tok, m, HV * V, o_n, o_n < tl.where(i_v + 1 < NV, V, 0))
         o_v = i_v * BV + tl.arange(0, BV)
-        m_v = col_mask(o_v, V, BV)
-        vv = load2(v + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
-        store2(U + i_hv * V, tok, m, HV * V, o_v, m_v, mm(Tb, vv, PREC, DT))
+        store2(U + i_hv * V, tok, m, HV * V, o_v, col_mask(o_v, V, BV), mm(Tb, vv, PREC, DT))
+        vv = vv_n
 
 
 @triton.jit
