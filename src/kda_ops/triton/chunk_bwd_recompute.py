@@ -7,7 +7,8 @@ reruns the forward's kernels, keeping what the gradient stages read::
     Hin, E                              (chunk_state with store_states: the state entering each chunk, the errors)
 
 The fused kernel replaced the staged ``chunk_intra`` (two passes) and ``chunk_solve`` here: 1.62 + 1.70 ms at
-B1 T32768 H32 bf16 on the H200 (2026-11-29), against 2.6 ms for the fused kernel, which also never writes ``Mkk``.
+B1 T32768 H32 bf16 on the H200 (2026-11-29), against ~2.9 ms for the fused kernel with ``Tm`` stored (it never
+writes ``Mkk``).
 
 The inputs are prepared in torch (:mod:`~kda_ops.triton.chunk_bwd_gates`), so the stages run without in-kernel
 options. ``Tm``, ``Mqk`` and ``Gam_last`` are stored in the compute dtype (fp32): the gradients chain several

@@ -3,9 +3,9 @@
 The program computes the chunk's decays in registers (stage 1), ``Mqk``, ``Mkk``, ``Qt``, ``Kend`` (stage 2), then
 ``Tm = (I + Mkk)^-1`` and the WY factors (stage 3), and writes only what the state scan reads: ``Mqk``, ``W``,
 ``U``, ``Qt``, ``Kend`` (per token, in ``precision.store``) and ``Gam_last`` (per slot). ``Gam``, ``Mkk`` and
-``Tm`` never leave the chip: at T = 32k, HV = 32, K = V = 128 the fused kernels move ~2.6 GB where the staged
-pipeline moves ~6 GB. The stage functions they call are those of the standalone stages, each tested against its
-own oracle.
+``Tm`` never leave the chip (``Tm`` does, in fp32 with ``Mqk``, for the backward's recompute: ``store_tm``): at
+T = 32k, HV = 32, K = V = 128 the fused kernels move ~2.6 GB where the staged pipeline moves ~6 GB. The stage
+functions they call are those of the standalone stages, each tested against its own oracle.
 
 Two kernels share the work (``chunk_intra`` explains the two paths):
 
