@@ -31,6 +31,7 @@ from kda_ops.triton import chunk_state as ts  # noqa: E402
 from kda_ops.triton.chunk_common import BT, Precision, precision_for  # noqa: E402
 from kda_ops.triton.chunk_cumsum import chunk_local_cumsum  # noqa: E402
 from kda_ops.triton.chunk_output import chunk_output  # noqa: E402
+from kda_ops.triton.chunk_prepare import chunk_prepare  # noqa: E402
 from kda_ops.triton.chunk_solve import chunk_solve  # noqa: E402
 from kda_ops.triton.debug import poison_outputs  # noqa: E402
 from kda_ops.varlen import chunk_slots  # noqa: E402
@@ -202,6 +203,33 @@ def test_stage_solve(gates: str, option: str) -> None:
     ref = oracle.chunk_solve(Mkk, p["k"], p["v"], p["g"], p["beta"], c["slots"], BT)
     for name, a, b in zip(("Tm", "W", "U"), got, ref):
         assert_rel(a, b, 1e-5, name)
+
+
+@pytest.mark.parametrize(("gates", "option", "tol"), [("normal", "plain", 5e-5), ("normal", "l2norm", 1e-5),
+                                                      ("reset", "all", 1e-5)])  # fmt: skip
+def test_stage_prepare(gates: str, option: str, tol: float) -> None:
+    """The fused stages 1-3 (``chunk_prepare``) against each stage's float64 oracle, with and without ``store_tm``
+    (the backward's recompute: ``Tm`` out, ``Mqk`` in fp32), every output poisoned first. The cases take the
+    anchored kernel's two key loops (without l2norm the key tiles load one step ahead) and, with hard resets, the
+    block kernel for the flagged chunks. K = 70: three key tiles, the last one partial. Without l2norm the keys'
+    norms (~8) make the solve ill-conditioned: the staged stages measure the same 1.9e-5 on W as the fused kernel."""
+    c = _stage_case(torch.float32, gates, option, K=70)
+    f, p = c["flat"], c["p"]
+    Mqk, Mkk, Qt, Kend, Gl = oracle.chunk_intra(p["q"], p["k"], p["g"], p["beta"], 0.4, c["slots"], BT)
+    Tm, W, U = oracle.chunk_solve(Mkk, p["k"], p["v"], p["g"], p["beta"], c["slots"], BT)
+    used = _used(c["slots"])
+    for store_tm in (False, True):
+        with poison_outputs():
+            got = chunk_prepare(f["q"], f["k"], f["v"], f["g"], f["beta"], 0.4, c["slots"], c["A_log"],
+                                c["dt_bias"], c["opts"], EXACT, store_tm=store_tm)  # fmt: skip
+        for name, a, b in zip(("Mqk", "W", "U", "Qt", "Kend"), got[:5], (Mqk, W, U, Qt, Kend)):
+            assert_rel(a, b, tol, name)
+        assert_rel(got[5][used], Gl[used], 1e-5, "Gam_last")
+        if store_tm:
+            assert got[0].dtype == torch.float32 and got[6] is not None
+            assert_rel(got[6], Tm, tol, "Tm")
+        else:
+            assert got[6] is None
 
 
 @pytest.mark.parametrize("entry", [1.0, -0.3], ids=["alternating_inverse", "growing_inverse"])
