@@ -10,6 +10,7 @@ scratch buffers are poisoned with NaN first. Shapes are tiny: the interpreter ru
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -77,11 +78,14 @@ def _opts(call: dict[str, Any]) -> Options:
 
 
 def _set_gates(g: torch.Tensor, gates: str) -> None:
-    """``reset``: g = -1000 at a few tokens (every channel, or half of them); ``zero``: no decay."""
+    """``reset``: g = -1000 at a few tokens (every channel, or half of them); ``half_reset``: at one token, in half
+    the channels only (one chunk's key tiles then take different paths); ``zero``: no decay."""
     if gates == "reset":
         T = g.shape[1]
         g[:, [t for t in (3, 20, 64, 66) if t < T]] = -1000.0
         g[:, 40 % T, :, : g.shape[-1] // 2] = -1000.0
+    elif gates == "half_reset":
+        g[:, 100 % g.shape[1], :, : g.shape[-1] // 2] = -1000.0
     elif gates == "zero":
         g.zero_()
 
@@ -147,18 +151,21 @@ def test_stage_dv(gates: str) -> None:
         assert_rel(a, b, 1e-5, name)
 
 
-@pytest.mark.parametrize("gates", ["normal", "reset", "zero"])
+@pytest.mark.parametrize("gates", ["normal", "reset", "half_reset", "zero"])
 def test_stage_dqk(gates: str) -> None:
-    c = _stage_case(gates, H=1, HV=2)
+    """The dq/dk stage against its float64 oracle, every output poisoned first (K = 40: two key tiles, the second
+    partial; with ``half_reset`` one chunk's key tiles span differently)."""
+    c = _stage_case(gates, H=1, HV=2, K=40)
     c.update(_dv_inputs(c))
     _, dbeta, dMqk, dMkk, dKt, Gam = bwd_oracle.bwd_dv(c["k"], c["v"], c["g"], c["beta"], c["Tm"], c["Hin"], c["E"],
                                                       c["dE"], c["dO"], c["slots"], BT)  # fmt: skip
     c.update(dbeta=dbeta, dMqk=dMqk, dMkk=dMkk, dKt=dKt, Gam=Gam)
     names = ("q", "k", "Gam", "Gl", "beta", "dMqk", "dMkk", "dKt", "Hin", "E", "dSp", "dO", "dbeta")
-    got = chunk_bwd_dqk(*_f32(c, *names), 0.4, c["slots"], "ieee")
+    with poison_outputs():
+        got = chunk_bwd_dqk(*_f32(c, *names), 0.4, c["slots"], "ieee")
     ref = bwd_oracle.bwd_dqk(*(c[n] for n in names), 0.4, c["slots"], BT)
     # resets: Gam reaches -1000 and fp32 rounds it to ~6e-5 nats, which the pairwise differences carry
-    tol = 1e-4 if gates == "reset" else 1e-5
+    tol = 1e-4 if gates.endswith("reset") else 1e-5
     for name, a, b in zip(("dq", "dk", "dg", "dbeta"), got, ref):
         assert_rel(a, b, tol, name)
 
@@ -166,8 +173,6 @@ def test_stage_dqk(gates: str) -> None:
 def test_stage_dqk_block_pass_equals_anchored_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the anchored span below 0 the first pass flags every chunk and the block pass computes them all: the
     same gradients as the anchored pass (two fp32 factorings of the same decays)."""
-    import importlib
-
     dqk_module = importlib.import_module("kda_ops.triton.chunk_bwd_dqk")
     c = _stage_case("normal", H=1, HV=2)
     c.update(_dv_inputs(c))
