@@ -24,17 +24,16 @@ from kda_ops.triton.debug import poison
 
 
 @triton.jit
-def chunk_tiles(dO, Mqk, Kend, Qt, W, Gl, tok, m, c, j, i_hv, HV, o_k, m_k, o_v, m_v, rows, m_r,
+def chunk_tiles(dO, Mqk, Kend, Qt, W, Gl, tok, m, c, i_hv, HV, o_k, m_k, o_v, m_v, rows, m_r,
                 K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
-    """Chunk ``j`` (slot ``c``) of the reverse scan's inputs in their stored dtypes: ``dO [BT, BV]``, ``Mqk
-    [BT, BT]``, ``Kend, Qt, W [BT, BK]``, ``Gam_last [BK]`` (``m`` masks the rows, ``j < 0`` the last)."""
+    """The reverse scan's inputs of chunk slot ``c`` (rows ``tok``, ``m``) in their stored dtypes: ``dO [BT, BV]``,
+    ``Mqk [BT, BT]``, ``Kend, Qt, W [BT, BK]``, ``Gam_last [BK]``."""
     do = tile2(dO + i_hv * V, tok, m, HV * V, o_v, m_v)
     A = tile2(Mqk + i_hv * BT, tok, m, HV * BT, rows, m_r)
     ke = tile2(Kend + i_hv * K, tok, m, HV * K, o_k, m_k)
     qt = tile2(Qt + i_hv * K, tok, m, HV * K, o_k, m_k)
     w = tile2(W + i_hv * K, tok, m, HV * K, o_k, m_k)
-    # a block mask, not block & scalar: triton 3.9's interpreter rejects the mixed form
-    gl = tl.load(Gl + (c * HV + i_hv) * K + o_k, mask=m_k & (o_k * 0 + j >= 0), other=0.0)
+    gl = tl.load(Gl + (c * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
     return do, A, ke, qt, w, gl
 
 
@@ -72,8 +71,8 @@ def chunk_bwd_scan_kernel(
         c = c0 + j
         tok = bos + j * BT + rows
         m = tok < eos
-        do, A, ke, qt, w, gl = chunk_tiles(dO, Mqk, Kend, Qt, W, Gl, tok, m, c, j, i_hv, HV, o_k, m_k, o_v, m_v,
-                                           rows, m_r, K, V, BT)  # fmt: skip
+        do, A, ke, qt, w, gl = chunk_tiles(dO, Mqk, Kend, Qt, W, Gl, tok, m, c, i_hv, HV, o_k, m_k, o_v, m_v, rows,
+                                           m_r, K, V, BT)  # fmt: skip
         tl.store(dSp + (c * HV + i_hv) * K * V + p_s, dS.to(dSp.dtype.element_ty), mask=m_s)
         de = mm(ke, dS, PREC, DT) + mm(tl.trans(A), do, PREC, DT)  # [BT, BV]
         store2(dE + i_hv * V, tok, m, HV * V, o_v, m_v, de)

@@ -54,7 +54,7 @@ from kda_ops.triton.chunk_intra import (
     key_tile,
     qk_norms,
 )
-from kda_ops.triton.chunk_solve import solve_unit_lower, wy_stored
+from kda_ops.triton.chunk_solve import solve_wy
 from kda_ops.triton.debug import poison
 from kda_ops.triton.launch import Launcher
 from kda_ops.varlen import SlotRows
@@ -71,10 +71,7 @@ def solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, Tm, tok, m, i_hv, HV, K: tl.
     Mqk2, Mkk2 = intra_masks(Mqk2, Mkk2, beta2, BT)
     cols = tl.arange(0, BT)
     store2(Mqk + i_hv * BT, tok, m, HV * BT, cols, col_mask(cols, BT, BT), Mqk2)
-    T2 = solve_unit_lower(Mkk2, NB, BC, BT, PREC_SOLVE, DT)
-    if STORE_TM:
-        store2(Tm + i_hv * BT, tok, m, HV * BT, cols, col_mask(cols, BT, BT), T2)
-    wy_stored(T2 * beta2[None, :], v, W, U, tok, m, i_hv, HV, K, V, BK, BV, PREC_WY, DT)
+    solve_wy(Mkk2, beta2, v, W, U, Tm, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT, PREC_SOLVE, PREC_WY, DT, STORE_TM)
 
 
 @triton.jit
@@ -97,26 +94,23 @@ def chunk_prepare_kernel(
     Mkk2 = tl.zeros((BT, BT), dtype=DT)
     span = 0.0
     NK: tl.constexpr = (K + BK - 1) // BK
-    if USE_L2NORM:
-        # q and k are L2-resident after the l2norm pass: loading the next tile ahead (below) only costs registers
-        # (forward at B1 T32768 H32 bf16 on the H200: 3.957 ms with it, 3.887 without)
-        for i_k in range(NK):
-            qs, kk, g2, E = key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, W, tok, m, i_c, i_h, i_hv, H, HV, scale,
-                                     lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)
-            span = tl.maximum(span, max2(tl.abs(E)).to(tl.float32))  # fp32 whatever DT: a loop-carried scalar
-            Mqk2, Mkk2 = intra_anchored(qs, kk, E, Mqk2, Mkk2, PREC_INTRA, DT, ASPAN)
-    else:
-        # the next key tile loads while this one computes (its stores come first in program order, and a load
-        # after a store that it might alias cannot be issued early); the last step reloads the last tile,
-        # unmasked. The backward's recompute (prepared fp32 q, k): forward + backward 21.85 -> 21.63 ms.
-        xq, xk, xg = key_loads(q, k, g, tok, m, i_h, i_hv, H, HV, 0, K, BK)
-        for i_k in range(NK):
+    # Without the l2norm pass the next key tile loads while this one computes (its stores come first in program
+    # order, and a load after a store that it might alias cannot be issued early; the last step reloads the last
+    # tile): the backward's recompute (prepared fp32 q, k), forward + backward 21.85 -> 21.63 ms. After the l2norm
+    # pass q and k are L2-resident and the prefetch only costs registers: the forward at B1 T32768 H32 bf16 took
+    # 3.957 ms with it, 3.887 without (H200).
+    PREFETCH: tl.constexpr = not USE_L2NORM
+    xq, xk, xg = key_loads(q, k, g, tok, m, i_h, i_hv, H, HV, 0, K, BK)
+    for i_k in range(NK):
+        if PREFETCH:
             xq_n, xk_n, xg_n = key_loads(q, k, g, tok, m, i_h, i_hv, H, HV, tl.minimum(i_k + 1, NK - 1), K, BK)
-            qs, kk, g2, E = key_compute(xq, xk, xg, A_log, dt_bias, Qt, Kend, Gl, W, tok, m, i_c, i_hv, HV, scale,
-                                        lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND,
-                                        DT)  # fmt: skip
-            span = tl.maximum(span, max2(tl.abs(E)).to(tl.float32))  # fp32 whatever DT: a loop-carried scalar
-            Mqk2, Mkk2 = intra_anchored(qs, kk, E, Mqk2, Mkk2, PREC_INTRA, DT, ASPAN)
+        else:
+            xq, xk, xg = key_loads(q, k, g, tok, m, i_h, i_hv, H, HV, i_k, K, BK)
+        qs, kk, g2, E = key_compute(xq, xk, xg, A_log, dt_bias, Qt, Kend, Gl, W, tok, m, i_c, i_hv, HV, scale,
+                                    lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)
+        span = tl.maximum(span, max2(tl.abs(E)).to(tl.float32))  # fp32 whatever DT: a loop-carried scalar
+        Mqk2, Mkk2 = intra_anchored(qs, kk, E, Mqk2, Mkk2, PREC_INTRA, DT, ASPAN)
+        if PREFETCH:
             xq, xk, xg = xq_n, xk_n, xg_n
     tl.store(Flag + i_c.to(tl.int64) * HV + i_hv, (span > ASPAN).to(tl.int32))
     if span <= ASPAN:

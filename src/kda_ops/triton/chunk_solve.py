@@ -115,6 +115,20 @@ def wy_stored(Tb, v, W, U, tok, m, i_hv, HV, K: tl.constexpr, V: tl.constexpr, B
 
 
 @triton.jit
+def solve_wy(Mkk2, beta2, v, W, U, Tm, tok, m, i_hv, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+             BV: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, PREC_SOLVE: tl.constexpr,
+             PREC_WY: tl.constexpr, DT: tl.constexpr, STORE_TM: tl.constexpr):
+    """Stage 3 of one chunk from ``Mkk [BT, BT]`` (masked, beta applied) and ``beta [BT]``: ``Tm = (I + Mkk)^-1``
+    (stored when ``STORE_TM``), then ``W`` and ``U`` (:func:`wy_stored`). The staged kernel and the fused prepare
+    kernels both end with it."""
+    T2 = solve_unit_lower(Mkk2, NB, BC, BT, PREC_SOLVE, DT)
+    if STORE_TM:
+        cols = tl.arange(0, BT)
+        store2(Tm + i_hv * BT, tok, m, HV * BT, cols, col_mask(cols, BT, BT), T2)
+    wy_stored(T2 * beta2[None, :], v, W, U, tok, m, i_hv, HV, K, V, BK, BV, PREC_WY, DT)
+
+
+@triton.jit
 def chunk_solve_kernel(
     Mkk, W, v, beta, Tm, U, slot_start, slot_count, HV,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr,
@@ -127,11 +141,9 @@ def chunk_solve_kernel(
         return
     cols = tl.arange(0, BT)
     m_c = col_mask(cols, BT, BT)
-    T2 = solve_unit_lower(load2(Mkk + i_hv * BT, tok, m, HV * BT, cols, m_c, DT), NB, BC, BT, PREC_SOLVE, DT)
-    if STORE_TM:
-        store2(Tm + i_hv * BT, tok, m, HV * BT, cols, m_c, T2)
+    Mkk2 = load2(Mkk + i_hv * BT, tok, m, HV * BT, cols, m_c, DT)
     beta2 = load_beta2(beta, tok, m, HV, i_hv, BETA_SIGMOID, NEG_EIGVAL, DT)
-    wy_stored(T2 * beta2[None, :], v, W, U, tok, m, i_hv, HV, K, V, BK, BV, PREC_WY, DT)
+    solve_wy(Mkk2, beta2, v, W, U, Tm, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT, PREC_SOLVE, PREC_WY, DT, STORE_TM)
 
 
 def chunk_solve(
@@ -167,4 +179,4 @@ def chunk_solve(
 
 _launch_solve = Launcher(chunk_solve_kernel)
 
-__all__ = ["chunk_solve", "merge_halves", "solve_unit_lower", "wy_stored"]
+__all__ = ["chunk_solve", "merge_halves", "solve_unit_lower", "solve_wy", "wy_stored"]
