@@ -242,18 +242,18 @@ def stage_calls(x: dict[str, torch.Tensor]) -> dict[str, Callable[[], Any]]:
     and the stage launchers one by one (stages 2 and 3 as the staged pipeline and the backward's recompute run
     them), each on the factors of the stages before it (computed once here)."""
     from kda_ops.triton import chunk_state as ts
-    from kda_ops.triton.chunk_common import BT, precision_for
+    from kda_ops.triton.chunk_common import precision_for
     from kda_ops.triton.chunk_intra import chunk_intra
+    from kda_ops.triton.chunk_map import slot_map
     from kda_ops.triton.chunk_output import chunk_output
     from kda_ops.triton.chunk_prepare import chunk_prepare
     from kda_ops.triton.chunk_solve import chunk_solve
-    from kda_ops.varlen import chunk_map
 
     B, T, H, _ = x["q"].shape
     opts = Options(use_qk_l2norm=True)
     p = precision_for(torch.bfloat16)
     f = {n: t.flatten(0, 1) for n, t in x.items()}
-    slots = chunk_map(None, B, T, BT, x["q"].device)
+    slots = slot_map(None, B, T, x["q"].device)
     Mqk, Mkk, Qt, Kend, Kt, Gl = chunk_intra(f["q"], f["k"], f["g"], f["beta"], D**-0.5, slots, None, None, opts, p)
     Kt_timed = Kt.clone()  # the timed solve writes W over it, call after call (the values drift, not the time)
     _, W, U = chunk_solve(Mkk, Kt, f["v"], f["beta"], slots, opts, p, store_tm=False)
@@ -261,7 +261,7 @@ def stage_calls(x: dict[str, torch.Tensor]) -> dict[str, Callable[[], Any]]:
     Hin, E = ts.chunk_state(W, U, Kend, Gl, None, slots.cu, p, final=final, store_states=True, offsets=slots.offset)
     assert Hin is not None and E is not None
     return {
-        "chunk map (varlen.chunk_map)": lambda: chunk_map(None, B, T, BT, x["q"].device),
+        "chunk map (slot_map: the drivers' one launch)": lambda: slot_map(None, B, T, x["q"].device),
         "stages 1-3 chunk_prepare (fused: the forward's path)": lambda: chunk_prepare(
             f["q"], f["k"], f["v"], f["g"], f["beta"], D**-0.5, slots, None, None, opts, p),
         "stage 2 chunk_intra (Mqk, Mkk, Qt, Kend, Kt; cumsum fused; two passes)": lambda: chunk_intra(
