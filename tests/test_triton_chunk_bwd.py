@@ -132,6 +132,13 @@ def test_stage_scan(gates: str, tiles: int | None, with_dht: bool, monkeypatch: 
     assert_rel(dh0, ref[2], 1e-5, "dh0")
     if with_dht:  # the empty sequence passes the final-state gradient through
         torch.testing.assert_close(dh0[1], dht[1].float())
+    # dS' stored in bf16 (the driver's choice for bf16 inputs): one rounding of the same values (within one bf16 ulp:
+    # the interpreter truncates where the GPU rounds to nearest), and the scan's carried dS (so dE, dh0) untouched
+    dE16, dSp16, dh016 = chunk_bwd_scan(dO, Mqk, Qt, Kend, W, Gl, None if dht is None else dht.float(), c["cu"], "ieee",
+                                        dsp_dtype=torch.bfloat16)  # fmt: skip
+    assert dSp16.dtype == torch.bfloat16 and dE16.dtype == torch.float32
+    torch.testing.assert_close(dSp16[used].float(), dSp[used], rtol=2.0**-7, atol=1e-30)
+    assert torch.equal(dE16, dE) and dh016 is not None and torch.equal(dh016, dh0)
 
 
 def _dv_inputs(c: dict[str, Any]) -> dict[str, torch.Tensor]:

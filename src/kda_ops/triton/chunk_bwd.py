@@ -92,8 +92,10 @@ def chunk_bwd(
         prec, prec_t = product_precisions(v.dtype)
         fw = chunk_bwd_recompute(qp, kp, vf, gp, bp, scale, h0, cu, slots, recompute_precision(v.dtype), slots.offset)
         dht_c = None if dht is None else dht.to(dt)
+        # dS' through memory in the factors' storage dtype (bf16 for bf16 inputs; see chunk_bwd_scan)
         dE, dSp, dh0_ = chunk_bwd_scan(
-            dO, fw.Mqk, fw.Qt, fw.Kend, fw.W, fw.Gl, dht_c, cu, prec, initial_state is not None, slots.offset
+            dO, fw.Mqk, fw.Qt, fw.Kend, fw.W, fw.Gl, dht_c, cu, prec, initial_state is not None, slots.offset,
+            recompute_precision(v.dtype).store,
         )
         # each intermediate is dropped after its last reader, so that the caching allocator reuses its memory for
         # the next stage's outputs: Mqk, Qt, Kend and W after the scan, Tm and dE after the dv stage (measured on
