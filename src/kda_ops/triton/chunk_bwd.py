@@ -92,10 +92,11 @@ def chunk_bwd(
         prec, prec_t = product_precisions(v.dtype)
         fw = chunk_bwd_recompute(qp, kp, vf, gp, bp, scale, h0, cu, slots, recompute_precision(v.dtype), slots.offset)
         dht_c = None if dht is None else dht.to(dt)
-        # dS' through memory in the factors' storage dtype (bf16 for bf16 inputs; see chunk_bwd_scan)
+        # dS', dMqk, dMkk, dKt through memory in the factors' storage dtype (bf16 for bf16 inputs): each is written
+        # once and read once, never carried (chunk_bwd_scan, chunk_bwd_dv)
+        store = recompute_precision(v.dtype).store
         dE, dSp, dh0_ = chunk_bwd_scan(
-            dO, fw.Mqk, fw.Qt, fw.Kend, fw.W, fw.Gl, dht_c, cu, prec, initial_state is not None, slots.offset,
-            recompute_precision(v.dtype).store,
+            dO, fw.Mqk, fw.Qt, fw.Kend, fw.W, fw.Gl, dht_c, cu, prec, initial_state is not None, slots.offset, store
         )
         # each intermediate is dropped after its last reader, so that the caching allocator reuses its memory for
         # the next stage's outputs: Mqk, Qt, Kend and W after the scan, Tm and dE after the dv stage (measured on
@@ -103,7 +104,7 @@ def chunk_bwd(
         Tm, Hin, E, Gl = fw.Tm, fw.Hin, fw.E, fw.Gl
         del fw
         dv_t, dbeta_p, dMqk, dMkk, dKt, Gam = chunk_bwd_dv(kp, vf, gp, bp, Tm, Hin, E, dE, dO, slots, prec, prec_t,
-                                                                v.dtype)
+                                                                v.dtype, store)
         del Tm, dE
         dq_v, dk_v, zg, zb = chunk_bwd_dqk(qp, kp, Gam, Gl, bp, dMqk, dMkk, dKt, Hin, E, dSp, dO, dbeta_p, scale,
                                            slots, prec)  # fmt: skip
