@@ -90,11 +90,12 @@ def chunk_bwd(
         cu = slots.cu
         h0 = None if initial_state is None else contiguous(initial_state.to(dt))
         prec, prec_t = product_precisions(v.dtype)
-        fw = chunk_bwd_recompute(qp, kp, vf, gp, bp, scale, h0, cu, slots, recompute_precision(v.dtype), slots.offset)
+        rp = recompute_precision(v.dtype)
+        fw = chunk_bwd_recompute(qp, kp, vf, gp, bp, scale, h0, cu, slots, rp, slots.offset)
         dht_c = None if dht is None else dht.to(dt)
         # dS', dMqk, dMkk, dKt through memory in the factors' storage dtype (bf16 for bf16 inputs): each is written
         # once and read once, never carried (chunk_bwd_scan, chunk_bwd_dv)
-        store = recompute_precision(v.dtype).store
+        store = rp.store
         dE, dSp, dh0_ = chunk_bwd_scan(
             dO, fw.Mqk, fw.Qt, fw.Kend, fw.W, fw.Gl, dht_c, cu, prec, initial_state is not None, slots.offset, store
         )
