@@ -35,11 +35,10 @@ from kda_ops.triton.chunk_state import chunk_state
 from kda_ops.triton.debug import poison
 
 # Measured on the H200 (triton 3.6, 2026-11-29, B1 T32768 H32 bf16, same error o 3.11e-3 at T = 1000 every way):
-# stages 1-3 fused 4.49 -> 4.10 ms for the forward; the scan with the outputs fused in (no per-chunk states through
-# memory) 1.51 ms against 0.84 + 0.49 for the scan and the output stage apart, so it stays off. Both fused kernels
-# faulted with an illegal address in earlier trees (bf16 scan products then computed wrongly; the prepare kernels
-# then autotuned over four configurations; the cause was not established). Today's tree runs them under the GPU
-# suite (tests/gpu: chunk 52, chunk_bwd 17, models 11 passed).
+# stages 1-3 fused 4.49 -> 4.10 ms for the forward (FUSE_PREPARE, the path the GPU suites run). The scan with the
+# outputs fused in (no per-chunk states through memory) is slower and stays off: 1.51 ms against 0.84 + 0.49 apart;
+# on a later tree the forward with it took 4.166 ms against 3.90, and with the next chunk's Qt/Mqk tiles loaded a
+# step ahead it faulted (an out-of-range shared-memory read in its dot, compute-sanitizer). No GPU test runs it.
 FUSE_SCAN_OUTPUT = False
 FUSE_PREPARE = True
 

@@ -120,7 +120,7 @@ def chunk_bwd_dv(
     HV, V = v.shape[1], v.shape[2]
     NC = slots.start.shape[0]
     dt = Tm.dtype  # the compute dtype (Hin and E may be stored in bf16)
-    dv = v.new_empty(T, HV, V, dtype=dt if dv_dtype is None else dv_dtype)
+    dv = v.new_empty(T, HV, V, dtype=dv_dtype or dt)
     dbeta = v.new_empty(T, HV, dtype=dt)
     dMqk = v.new_empty(T, HV, BT, dtype=store or dt)
     dMkk = torch.empty_like(dMqk)
