@@ -85,13 +85,15 @@ def _opts(call: dict[str, Any]) -> Options:
 
 def _set_gates(x: dict[str, Any], gates: str) -> None:
     """Decay patterns: ``normal`` (logsigmoid(randn)), ``reset`` (hard resets: g = -1000 at a few tokens, on every
-    channel or on half of them), ``zero`` (no decay), ``strong`` (-4.5 per token: every 16-row block spans 72 nats,
-    beyond the factored products, without a reset)."""
+    channel or on half of them), ``first_row`` (hard resets on the first row of chunks only), ``zero`` (no decay),
+    ``strong`` (-4.5 per token: every 16-row block spans 72 nats, beyond the factored products, without a reset)."""
     g = x["g"]
     if gates == "reset":
         T = g.shape[1]
         g[:, [t for t in (3, 20, 64, 66, 100) if t < T]] = -1000.0
         g[:, 40 % T, :, : g.shape[-1] // 2] = -1000.0
+    elif gates == "first_row":
+        g[:, [t for t in (5, 69, 71) if t < g.shape[1]]] = -1000.0  # row 0 of a chunk: the anchored path keeps it
     elif gates == "zero":
         g.zero_()
     elif gates == "strong":
@@ -145,6 +147,7 @@ def test_stage_cumsum(option: str) -> None:
     [
         (torch.float32, "normal", "plain"),
         (torch.float32, "reset", "l2norm"),
+        (torch.float32, "first_row", "plain"),
         (torch.float32, "zero", "beta_sigmoid"),
         (torch.float32, "strong", "all"),
         (torch.float16, "normal", "neg_eigval"),
@@ -205,8 +208,10 @@ def test_stage_solve(gates: str, option: str) -> None:
         assert_rel(a, b, 1e-5, name)
 
 
-@pytest.mark.parametrize(("gates", "option", "tol"), [("normal", "plain", 5e-5), ("normal", "l2norm", 1e-5),
-                                                      ("reset", "all", 1e-5)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("gates", "option", "tol"),
+    [("normal", "plain", 5e-5), ("normal", "l2norm", 1e-5), ("reset", "all", 1e-5), ("first_row", "l2norm", 1e-5)],
+)
 def test_stage_prepare(gates: str, option: str, tol: float) -> None:
     """The fused stages 1-3 (``chunk_prepare``) against each stage's float64 oracle, with and without ``store_tm``
     (the backward's recompute: ``Tm`` out, ``Mqk`` in fp32), every output poisoned first. The cases take the

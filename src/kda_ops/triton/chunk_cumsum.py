@@ -16,6 +16,13 @@ and :func:`block_decays` the same per 16-row block for the block path::
     bs_I = sum of g over block I;  b_I = sum over the blocks before I;  a_J = sum over the blocks after J
     Gam_i - Gam_j = w_i + s_j + sum_{J<L<I} bs_L  (J < I),   w_i - w_j  (J = I, formed pairwise when needed)
 
+The anchored path reads the same three from one scan (:func:`anchored_decays`): with ``P_i = sum_{0 < j <= i} g_j``
+(row 0 left out), ``Gam_i = g_0 + P_i``, ``Gam_last - Gam_i = P_last - P_i`` and ``E_i = P_i - P_mid``. These are
+differences, but of sums that never hold ``g_0`` and that the anchored path bounds: it keeps a chunk only when every
+``|E_i| <= 80``, so every ``|P_i| <= 160`` and each difference is exact to ``ulp(160) ~ 1.5e-5`` absolutely, the
+bound ``E`` already had; a hard reset at row 0 (``g_0 ~ -1000``, the start of a new segment) stays out of all of
+them. A chunk that fails the span check is redone by the block path from :func:`chunk_decays`.
+
 An exclusive suffix is an inclusive one minus ``g_j``: exact unless ``g_j`` itself is huge, and then only token
 ``j``'s own column rounds. The standalone kernel writes ``Gam`` and ``Gam_last`` (the stage's oracle checks them);
 the gate formulas of ``reference/gates.py`` are stated here once for every kernel that loads ``g``.
@@ -88,6 +95,29 @@ def chunk_decays(g2, BT: tl.constexpr):
 
 
 @triton.jit
+def _add3(a0, b0, c0, a1, b1, c1):
+    return a0 + a1, b0 + b1, c0 + c1
+
+
+@triton.jit
+def anchored_decays(g2, BT: tl.constexpr):
+    """:func:`chunk_decays` for the anchored path, from one scan and one three-way reduction (module docstring):
+    exact to ``ulp(160)`` where every ``|E| <= 80``, which that path checks before it keeps a chunk.
+
+    A scan along the rows of a ``[BT, BK]`` tile crosses warps; each cost about 0.34 ms of the forward at B1 T32768
+    H32 (H200), and the three sums cost what one did: the anchored prepare kernel took 2.68 ms with
+    :func:`chunk_decays`, 2.38 with this (``docs/benchmarks.md``).
+    """
+    rows = tl.arange(0, BT)[:, None]
+    rest = tl.where(rows > 0, g2, 0.0)
+    g0, p_last, p_mid = tl.reduce(
+        (tl.where(rows == 0, g2, 0.0), rest, tl.where(rows < BT // 2, rest, 0.0)), 0, _add3
+    )
+    P = tl.cumsum(rest, axis=0)
+    return g0[None, :] + P, p_last[None, :] - P, g0 + p_last, P - p_mid[None, :]
+
+
+@triton.jit
 def block_decays(g3, NB: tl.constexpr):
     """Block-local sums of ``g3 [NB, BC, BK]`` (module docstring): ``w, s [NB, BC, BK]``, ``bs [NB, BK]``."""
     w = tl.cumsum(g3, axis=1)
@@ -148,4 +178,13 @@ def chunk_local_cumsum(
     return Gam, Gl
 
 
-__all__ = ["block_decays", "chunk_decays", "chunk_local_cumsum", "gate", "gate_flags", "load_log_decay", "softplus"]
+__all__ = [
+    "anchored_decays",
+    "block_decays",
+    "chunk_decays",
+    "chunk_local_cumsum",
+    "gate",
+    "gate_flags",
+    "load_log_decay",
+    "softplus",
+]

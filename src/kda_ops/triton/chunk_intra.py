@@ -49,7 +49,7 @@ from kda_ops.triton.chunk_common import (
     slot_rows,
     store2,
 )
-from kda_ops.triton.chunk_cumsum import block_decays, chunk_decays, gate, gate_flags
+from kda_ops.triton.chunk_cumsum import anchored_decays, block_decays, chunk_decays, gate, gate_flags
 from kda_ops.triton.debug import poison
 from kda_ops.triton.launch import Launcher
 from kda_ops.varlen import SlotRows
@@ -154,21 +154,24 @@ def key_loads(q, k, g, tok, m, i_h, i_hv, H, HV, i_k, K: tl.constexpr, BK: tl.co
 @triton.jit
 def key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c, i_h, i_hv, H, HV, scale, lower_bound, rq, rk,
              i_k, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr,
-             USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, DT: tl.constexpr):
+             USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, DT: tl.constexpr, ANCHORED: tl.constexpr):
     """Load key tile ``i_k`` of the chunk and store its ``Qt``, ``Kend``, ``Kt = k exp(Gam)`` (the operand of ``W``,
     :func:`~kda_ops.triton.chunk_solve.wy_stored`) and ``Gam_last``.
 
     Returns ``s q``, ``k`` (l2-normalised when asked), ``g`` (after the gate) and ``E = Gam - Gam_mid``, ``[BT, BK]``.
+    ``ANCHORED``: the decays of the anchored path (:func:`~kda_ops.triton.chunk_cumsum.anchored_decays`, exact only
+    where it keeps the chunk), else of the block path.
     """
     xq, xk, xg = key_loads(q, k, g, tok, m, i_h, i_hv, H, HV, i_k, K, BK)
     return key_compute(xq, xk, xg, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c, i_hv, HV, scale, lower_bound, rq,
-                       rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)  # fmt: skip
+                       rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT, ANCHORED)  # fmt: skip
 
 
 @triton.jit
 def key_compute(xq, xk, xg, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c, i_hv, HV, scale, lower_bound, rq, rk,
                 i_k, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, USE_GATE: tl.constexpr,
-                USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, DT: tl.constexpr):
+                USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, DT: tl.constexpr,
+                ANCHORED: tl.constexpr):
     """:func:`key_tile` from the tiles as :func:`key_loads` loaded them."""
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = col_mask(o_k, K, BK)
@@ -176,7 +179,10 @@ def key_compute(xq, xk, xg, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c, i_hv,
     kk = xk.to(DT) * rk
     g2 = gate(xg, m[:, None] & m_k[None, :], A_log, dt_bias, o_k, m_k, i_hv, lower_bound, K, USE_GATE, USE_A,
               USE_BIAS, USE_BOUND, DT)  # fmt: skip
-    Gam, to_end, gl, E = chunk_decays(g2, BT)
+    if ANCHORED:
+        Gam, to_end, gl, E = anchored_decays(g2, BT)
+    else:
+        Gam, to_end, gl, E = chunk_decays(g2, BT)
     store2(Qt + i_hv * K, tok, m, HV * K, o_k, m_k, qs * tl.exp(Gam))
     store2(Kend + i_hv * K, tok, m, HV * K, o_k, m_k, kk * tl.exp(to_end))
     tl.store(Gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, gl.to(Gl.dtype.element_ty), mask=m_k)
@@ -233,7 +239,8 @@ def chunk_intra_kernel(
     ok = True
     for i_k in range(tl.cdiv(K, BK)):
         qs, kk, g2, E = key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c, i_h, i_hv, H, HV, scale,
-                                 lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)
+                                 lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT,
+                                 not BLOCKS)
         if BLOCKS:
             Mqk2, Mkk2 = intra_blocks(qs, kk, g2, Mqk2, Mkk2, NB, BC, BT, BK, PREC, DT, SPAN)
         else:

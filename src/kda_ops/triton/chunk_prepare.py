@@ -107,7 +107,7 @@ def chunk_prepare_kernel(
         else:
             xq, xk, xg = key_loads(q, k, g, tok, m, i_h, i_hv, H, HV, i_k, K, BK)
         qs, kk, g2, E = key_compute(xq, xk, xg, A_log, dt_bias, Qt, Kend, Gl, W, tok, m, i_c, i_hv, HV, scale,
-                                    lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)
+                                    lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT, True)
         span = tl.maximum(span, max2(tl.abs(E)).to(tl.float32))  # fp32 whatever DT: a loop-carried scalar
         Mqk2, Mkk2 = intra_anchored(qs, kk, E, Mqk2, Mkk2, PREC_INTRA, DT, ASPAN)
         if PREFETCH:
@@ -140,7 +140,7 @@ def chunk_prepare_blocks_kernel(
     Mkk2 = tl.zeros((BT, BT), dtype=DT)
     for i_k in range(tl.cdiv(K, BK)):
         qs, kk, g2, E = key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, W, tok, m, i_c, i_h, i_hv, H, HV, scale,
-                                 lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)
+                                 lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT, False)
         Mqk2, Mkk2 = intra_blocks(qs, kk, g2, Mqk2, Mkk2, NB, BC, BT, BK, PREC_INTRA, DT, SPAN)
     solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, Tm, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT, BETA_SIGMOID,
                     NEG_EIGVAL, PREC_SOLVE, PREC_WY, DT, STORE_TM)  # fmt: skip
