@@ -40,7 +40,6 @@ from kda_ops.triton.chunk_common import (
     contiguous,
     launch,
     load_beta2,
-    max2,
     slot_rows,
     store2,
 )
@@ -92,7 +91,7 @@ def chunk_prepare_kernel(
     # stages 1-2: decays, Qt, Kend, Gam_last (stored) and Mqk, Mkk (registers), anchored at the middle row
     Mqk2 = tl.zeros((BT, BT), dtype=DT)
     Mkk2 = tl.zeros((BT, BT), dtype=DT)
-    span = 0.0
+    span = tl.zeros((BT,), dtype=DT)  # per row: the reduction across warps runs once, after the loop
     NK: tl.constexpr = (K + BK - 1) // BK
     # Without the l2norm pass the next key tile loads while this one computes (its stores come first in program
     # order, and a load after a store that it might alias cannot be issued early; the last step reloads the last
@@ -108,12 +107,13 @@ def chunk_prepare_kernel(
             xq, xk, xg = key_loads(q, k, g, tok, m, i_h, i_hv, H, HV, i_k, K, BK)
         qs, kk, g2, E = key_compute(xq, xk, xg, A_log, dt_bias, Qt, Kend, Gl, W, tok, m, i_c, i_hv, HV, scale,
                                     lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT, True)
-        span = tl.maximum(span, max2(tl.abs(E)).to(tl.float32))  # fp32 whatever DT: a loop-carried scalar
+        span = tl.maximum(span, tl.max(tl.abs(E), axis=1))
         Mqk2, Mkk2 = intra_anchored(qs, kk, E, Mqk2, Mkk2, PREC_INTRA, DT, ASPAN)
         if PREFETCH:
             xq, xk, xg = xq_n, xk_n, xg_n
-    tl.store(Flag + i_c.to(tl.int64) * HV + i_hv, (span > ASPAN).to(tl.int32))
-    if span <= ASPAN:
+    far = tl.max(span, axis=0) > ASPAN
+    tl.store(Flag + i_c.to(tl.int64) * HV + i_hv, far.to(tl.int32))
+    if not far:
         solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, Tm, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT,
                         BETA_SIGMOID, NEG_EIGVAL, PREC_SOLVE, PREC_WY, DT, STORE_TM)  # fmt: skip
 
