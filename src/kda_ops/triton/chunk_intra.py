@@ -43,7 +43,6 @@ from kda_ops.triton.chunk_common import (
     contiguous,
     launch,
     load_beta2,
-    max2,
     mm,
     rnorm2,
     slot_rows,
@@ -135,6 +134,13 @@ def intra_anchored(qs, kk, E, Mqk, Mkk, PREC: tl.constexpr, DT: tl.constexpr, SP
     Mqk += mm(qs * Rq, kcT, PREC, DT)
     Mkk += mm(kk * Rq, kcT, PREC, DT)
     return Mqk, Mkk
+
+
+@triton.jit
+def row_span(span, E):
+    """``max(span, max_d |E|)`` per row, ``[BT]``: the anchored path's span check, carried over the key tiles and
+    reduced across warps once, after the key loop (``tl.max(span, axis=0) <= ASPAN``), not once per tile."""
+    return tl.maximum(span, tl.max(tl.abs(E), axis=1))
 
 
 @triton.jit
@@ -236,7 +242,7 @@ def chunk_intra_kernel(
     rq, rk = qk_norms(q, k, tok, m, i_h, H, K, BK, BT, USE_L2NORM, DT)
     Mqk2 = tl.zeros((BT, BT), dtype=DT)
     Mkk2 = tl.zeros((BT, BT), dtype=DT)
-    ok = True
+    span = tl.zeros((BT,), dtype=DT)
     for i_k in range(tl.cdiv(K, BK)):
         qs, kk, g2, E = key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c, i_h, i_hv, H, HV, scale,
                                  lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT,
@@ -244,8 +250,9 @@ def chunk_intra_kernel(
         if BLOCKS:
             Mqk2, Mkk2 = intra_blocks(qs, kk, g2, Mqk2, Mkk2, NB, BC, BT, BK, PREC, DT, SPAN)
         else:
-            ok = ok & (max2(tl.abs(E)) <= ASPAN)
+            span = row_span(span, E)
             Mqk2, Mkk2 = intra_anchored(qs, kk, E, Mqk2, Mkk2, PREC, DT, ASPAN)
+    ok = tl.max(span, axis=0) <= ASPAN
     if not BLOCKS:
         tl.store(p_flag, tl.where(ok, 0, 1).to(flag.dtype.element_ty))
     if BLOCKS or ok:
@@ -314,4 +321,5 @@ __all__ = [
     "key_tile",
     "on_diagonal",
     "qk_norms",
+    "row_span",
 ]

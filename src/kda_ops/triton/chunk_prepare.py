@@ -52,6 +52,7 @@ from kda_ops.triton.chunk_intra import (
     key_loads,
     key_tile,
     qk_norms,
+    row_span,
 )
 from kda_ops.triton.chunk_solve import solve_wy
 from kda_ops.triton.debug import poison
@@ -91,7 +92,7 @@ def chunk_prepare_kernel(
     # stages 1-2: decays, Qt, Kend, Gam_last (stored) and Mqk, Mkk (registers), anchored at the middle row
     Mqk2 = tl.zeros((BT, BT), dtype=DT)
     Mkk2 = tl.zeros((BT, BT), dtype=DT)
-    span = tl.zeros((BT,), dtype=DT)  # per row: the reduction across warps runs once, after the loop
+    span = tl.zeros((BT,), dtype=DT)
     NK: tl.constexpr = (K + BK - 1) // BK
     # Without the l2norm pass the next key tile loads while this one computes (its stores come first in program
     # order, and a load after a store that it might alias cannot be issued early; the last step reloads the last
@@ -107,7 +108,7 @@ def chunk_prepare_kernel(
             xq, xk, xg = key_loads(q, k, g, tok, m, i_h, i_hv, H, HV, i_k, K, BK)
         qs, kk, g2, E = key_compute(xq, xk, xg, A_log, dt_bias, Qt, Kend, Gl, W, tok, m, i_c, i_hv, HV, scale,
                                     lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT, True)
-        span = tl.maximum(span, tl.max(tl.abs(E), axis=1))
+        span = row_span(span, E)
         Mqk2, Mkk2 = intra_anchored(qs, kk, E, Mqk2, Mkk2, PREC_INTRA, DT, ASPAN)
         if PREFETCH:
             xq, xk, xg = xq_n, xk_n, xg_n
