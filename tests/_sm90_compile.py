@@ -98,31 +98,43 @@ def resources(compiled: Any) -> dict[str, Any]:
 def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
     def prepare(blocks: bool, K: int = 128, V: int = 128, x: torch.dtype = BF, store: torch.dtype = BF,
                 prec: tuple[str, str, str] = ("tf32", "tf32", "tf32"), dt: Any = tl.float32,
-                gate: bool = False) -> dict[str, Any]:  # fmt: skip
+                gate: bool = False, fold: bool = False) -> dict[str, Any]:  # fmt: skip
         a = dict(q=x, k=x, v=x, g=F32, beta=x, A_log=F32 if gate else None, dt_bias=F32 if gate else None,
                  Mqk=store, W=store, U=store, Qt=store, Kend=store, Gl=F32 if dt == tl.float32 else F64, Tm=None,
-                 Flag=I32,
+                 Flag=I32, Nrm=F32 if fold else None, T=1000,
                  slot_start=I64, slot_count=I64, scale=0.1, lower_bound=0.0, H=2, HV=32, K=K, V=V,
                  BK=32 if blocks else 64, BV=min(V, 64), NB=4, BC=16, BT=64, USE_L2NORM=True, USE_GATE=gate,
                  USE_A=gate, USE_BIAS=gate, USE_BOUND=False, BETA_SIGMOID=gate, NEG_EIGVAL=gate,
                  PREC_INTRA=prec[0], PREC_SOLVE=prec[1], PREC_WY=prec[2], DT=dt, STORE_TM=False)  # fmt: skip
-        a.update({"SPAN": 80.0, "CHECK_FLAG": True} if blocks else {"ASPAN": 80.0})
+        a.update({"SPAN": 80.0, "CHECK_FLAG": True} if blocks else {"ASPAN": 80.0, "PREFETCH": fold})
+        a["FOLD"] = fold
         return a
 
     def scan(K: int, V: int, BV: int, store: torch.dtype = BF, prec: tuple[str, str] = ("bf16", "bf16"),
-             fused: bool = True) -> dict[str, Any]:  # fmt: skip
+             fused: bool = True, norms: bool = False) -> dict[str, Any]:  # fmt: skip
         return dict(W=store, U=store, Kend=store, Gl=F32, h0=F32, final=F32, Qt=store if fused else None,
                     Mqk=store if fused else None, o=BF if fused else None, Hin=None if fused else F32,
-                    E=None if fused else F32, cu=I64, chunk_off=I64, HV=32, K=K, V=V,
+                    E=None if fused else F32, Nq=F32 if norms else None, Nk=F32 if norms else None, cu=I64,
+                    chunk_off=I64, HV=32, K=K, V=V,
                     BK=max(16, triton.next_power_of_2(K)), BV=BV, BT=64, USE_H0=True, STORE_FINAL=True,
                     FUSE_OUTPUT=fused, STORE_STATES=not fused, PREC_SCAN=prec[0], PREC_OUT=prec[1],
-                    DT=tl.float32)  # fmt: skip
+                    DT=tl.float32, NORMS=norms)  # fmt: skip
 
     stage = dict(slot_start=I64, slot_count=I64, lower_bound=0.0, HV=32, BT=64, USE_GATE=True, USE_A=True,
                  USE_BIAS=True, USE_BOUND=False, DT=tl.float32)  # fmt: skip
     qk = dict(H=2, NB=4, BC=16, USE_L2NORM=True, BETA_SIGMOID=True, NEG_EIGVAL=False)
     return {
         "prepare anchored bf16 K=V=128": (chunk_prepare.chunk_prepare_kernel, prepare(False), 8, 1),
+        "prepare anchored bf16 K=V=128 folded l2norm": (chunk_prepare.chunk_prepare_kernel,
+                                                         prepare(False, fold=True), 8, 1),
+        "prepare blocks bf16 K=V=128 folded l2norm": (chunk_prepare.chunk_prepare_blocks_kernel,
+                                                      prepare(True, fold=True), 8, 1),
+        "scan staged bf16 K=V=128 BV=32 norms": (chunk_state.chunk_state_kernel,
+                                                 scan(128, 128, 32, fused=False, norms=True), 8, 1),
+        "scan fused bf16 K=V=128 BV=32 norms": (chunk_state.chunk_state_kernel, scan(128, 128, 32, norms=True), 4, 2),
+        "output norms": (chunk_output.chunk_output_kernel, dict(Qt=BF, Mqk=BF, Hin=BF, E=BF, o=BF, Nq=F32,
+                         slot_start=I64, slot_count=I64, HV=32, K=128, V=128, BK=128, BV=64, BT=64, PREC="bf16",
+                         DT=tl.float32, NORMS=True), 4, 1),
         "prepare anchored fp32 K=V=100": (chunk_prepare.chunk_prepare_kernel,
                                           prepare(False, 100, 100, F32, F32, ("ieee",) * 3), 8, 1),
         "prepare blocks bf16 K=V=256 gate": (chunk_prepare.chunk_prepare_blocks_kernel,
@@ -147,8 +159,9 @@ def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
             dict(stage, **qk, Mkk=F32, k=BF, v=BF, g=F32, beta=BF, A_log=F32, dt_bias=F32, Tm=F32, W=BF, U=BF, K=K,
                  V=K, BK=bk, BV=bv, PREC_SOLVE="tf32", PREC_WY="tf32", STORE_TM=tm), 4, 1)
            for K, bk, bv, tm in ((128, 64, 64, False), (100, 32, 64, True))},
-        "output": (chunk_output.chunk_output_kernel, dict(Qt=BF, Mqk=F32, Hin=F32, E=F32, o=BF, slot_start=I64,
-                   slot_count=I64, HV=32, K=100, V=100, BK=128, BV=64, BT=64, PREC="bf16", DT=tl.float32), 4, 1),
+        "output": (chunk_output.chunk_output_kernel, dict(Qt=BF, Mqk=F32, Hin=F32, E=F32, o=BF, Nq=None,
+                   slot_start=I64, slot_count=I64, HV=32, K=100, V=100, BK=128, BV=64, BT=64, PREC="bf16",
+                   DT=tl.float32, NORMS=False), 4, 1),
     }  # fmt: skip
 
 

@@ -27,6 +27,7 @@ from kda_ops.testing import assert_rel, make_inputs, make_state, rel_err  # noqa
 from kda_ops.triton import KERNELS  # noqa: E402
 from kda_ops.triton import chunk as tc  # noqa: E402
 from kda_ops.triton import chunk_intra as ti  # noqa: E402
+from kda_ops.triton import chunk_prepare as ti_prepare  # noqa: E402
 from kda_ops.triton import chunk_state as ts  # noqa: E402
 from kda_ops.triton.chunk_common import BT, Precision, precision_for  # noqa: E402
 from kda_ops.triton.chunk_cumsum import chunk_local_cumsum  # noqa: E402
@@ -227,7 +228,12 @@ def test_stage_prepare(gates: str, option: str, tol: float) -> None:
         with poison_outputs():
             got = chunk_prepare(f["q"], f["k"], f["v"], f["g"], f["beta"], 0.4, c["slots"], c["A_log"],
                                 c["dt_bias"], c["opts"], EXACT, store_tm=store_tm)  # fmt: skip
-        for name, a, b in zip(("Mqk", "W", "U", "Qt", "Kend"), got[:5], (Mqk, W, U, Qt, Kend)):
+        Nrm = got[7]
+        assert (Nrm is not None) == (c["opts"].use_qk_l2norm and ti_prepare.FOLD_NORMS)
+        # with the l2norm folded, Qt and Kend come without their rows' factors: applied here
+        nq, nk = (Nrm[0, :, :, None], Nrm[1, :, :, None]) if Nrm is not None else (1.0, 1.0)
+        for name, a, b in zip(("Mqk", "W", "U", "Qt", "Kend"), (*got[:3], got[3] * nq, got[4] * nk),
+                              (Mqk, W, U, Qt, Kend)):  # fmt: skip
             assert_rel(a, b, tol, name)
         assert_rel(got[5][used], Gl[used], 1e-5, "Gam_last")
         if store_tm:

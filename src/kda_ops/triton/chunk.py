@@ -86,20 +86,20 @@ def chunk_fwd(
     cu = slots.cu
     poison(o, final)
     # stages 1-3, fused per chunk: Gam; Mqk, Mkk, Qt, Kend; Tm = (I + Mkk)^-1, W = Tm beta Kt, U = Tm beta V
-    Mqk, W, U, Qt, Kend, Gl, _ = chunk_prepare(
+    Mqk, W, U, Qt, Kend, Gl, _, Nrm = chunk_prepare(
         _flat(q), _flat(k), _flat(v), _flat(g), _flat(beta), scale, slots, _opt(A_log), _opt(dt_bias), opts, p
     )
     if FUSE_SCAN_OUTPUT:
         # stages 4-5, fused: E = U - W S;  O = Qt S + Mqk E;  S' = exp(Gam_last) S + Kend^T E
         chunk_state(W, U, Kend, Gl, h0, cu, p, final=final if output_final_state else None,
-                    outputs=(Qt, Mqk, o.view(B * T, *o.shape[2:])), offsets=slots.offset)  # fmt: skip
+                    outputs=(Qt, Mqk, o.view(B * T, *o.shape[2:])), offsets=slots.offset, norms=Nrm)  # fmt: skip
         return o, final
     # stage 4: E = U - W S;  S' = exp(Gam_last) S + Kend^T E, keeping the state entering each chunk
     Hin, E = chunk_state(W, U, Kend, Gl, h0, cu, p, final=final if output_final_state else None, store_states=True,
-                         offsets=slots.offset)  # fmt: skip
+                         offsets=slots.offset, norms=Nrm)  # fmt: skip
     assert Hin is not None and E is not None
     # stage 5: O = Qt S + Mqk E, parallel over chunks
-    chunk_output(Qt, Mqk, Hin, E, slots, p, o.dtype, out=o.view(B * T, *o.shape[2:]))
+    chunk_output(Qt, Mqk, Hin, E, slots, p, o.dtype, out=o.view(B * T, *o.shape[2:]), norms=Nrm)
     return o, final
 
 

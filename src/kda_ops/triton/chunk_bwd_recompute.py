@@ -82,7 +82,7 @@ def chunk_bwd_recompute(
 ) -> Recomputed:
     """Prepared ``q, k [T, H, K]``, ``v [T, HV, V]``, log decay ``g [T, HV, K]``, ``beta [T, HV]``; ``h0`` in the
     compute dtype or None; ``cu`` the sanitized flat ``cu_seqlens`` and ``slots`` its chunk map."""
-    Mqk, W, U, Qt, Kend, Gl, Tm = chunk_prepare(q, k, v, g, beta, scale, slots, None, None, _NO_OPTIONS, precision,
+    Mqk, W, U, Qt, Kend, Gl, Tm, _ = chunk_prepare(q, k, v, g, beta, scale, slots, None, None, _NO_OPTIONS, precision,
                                                 store_tm=True)
     assert Tm is not None
     Hin, E = chunk_state(W, U, Kend, Gl, h0, cu, precision, store_states=True, offsets=offsets)

@@ -188,6 +188,15 @@ def mm(a, b, PREC: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
+def scale_rows(x, n, ON: tl.constexpr):
+    """``diag(n) x`` for ``x [BT, *]`` and ``n [BT]`` when ``ON``, else ``x`` (``n`` then unused, e.g. 1.0)."""
+    if ON:
+        return x * n[:, None]
+    else:
+        return x
+
+
+@triton.jit
 def col_mask(o_k, K: tl.constexpr, BK: tl.constexpr):
     """``o_k < K``; a constant ``True`` when ``BK`` divides ``K``, so that the compiler sees the columns unmasked and
     vectorizes the loads (a per-element mask costs a 64-bit pointer per element: 255 registers and spills in the

@@ -181,7 +181,7 @@ def key_compute(xq, xk, xg, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c, i_hv,
     """:func:`key_tile` from the tiles as :func:`key_loads` loaded them."""
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = col_mask(o_k, K, BK)
-    qs = xq.to(DT) * (rq * scale)
+    qs = xq.to(DT) * rq * scale  # a tensor times scale: rq may be the constant 1.0 (fp64 exact in the interpreter)
     kk = xk.to(DT) * rk
     g2 = gate(xg, m[:, None] & m_k[None, :], A_log, dt_bias, o_k, m_k, i_hv, lower_bound, K, USE_GATE, USE_A,
               USE_BIAS, USE_BOUND, DT)  # fmt: skip

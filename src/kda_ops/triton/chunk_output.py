@@ -24,6 +24,7 @@ from kda_ops.triton.chunk_common import (
     load2,
     mm,
     pow2,
+    scale_rows,
     store2,
     tile2,
 )
@@ -33,16 +34,17 @@ from kda_ops.varlen import SlotRows
 
 
 @triton.jit
-def output_tile(qt, S, A, E, PREC: tl.constexpr, DT: tl.constexpr):
-    """``Qt S + Mqk E``: ``qt [BT, BK]``, ``S [BK, BV]``, ``A = Mqk [BT, BT]``, ``E [BT, BV]``."""
-    return mm(qt, S, PREC, DT) + mm(A, E, PREC, DT)
+def output_tile(qt, S, A, E, nq, PREC: tl.constexpr, DT: tl.constexpr, NORMS: tl.constexpr):
+    """``Qt S + Mqk E``: ``qt [BT, BK]``, ``S [BK, BV]``, ``A = Mqk [BT, BT]``, ``E [BT, BV]``; with ``NORMS``,
+    ``diag(nq) Qt S + Mqk E`` (``Qt`` stored without the l2norm factors ``nq [BT]`` of its rows)."""
+    return scale_rows(mm(qt, S, PREC, DT), nq, NORMS) + mm(A, E, PREC, DT)
 
 
 @triton.jit
 def chunk_output_kernel(
-    Qt, Mqk, Hin, E, o, slot_start, slot_count, HV,
+    Qt, Mqk, Hin, E, o, Nq, slot_start, slot_count, HV,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    PREC: tl.constexpr, DT: tl.constexpr,
+    PREC: tl.constexpr, DT: tl.constexpr, NORMS: tl.constexpr,
 ):  # fmt: skip
     i_c, i_v, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     count = tl.load(slot_count + i_c).to(tl.int32)
@@ -60,7 +62,11 @@ def chunk_output_kernel(
     Ec = load2(E + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
     p_s = Hin + (i_c.to(tl.int64) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
     S = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0).to(DT)
-    store2(o + i_hv * V, tok, m, HV * V, o_v, m_v, output_tile(qt, S, A, Ec, PREC, DT))
+    if NORMS:
+        nq = tl.load(Nq + tok * HV + i_hv, mask=m, other=0.0).to(DT)
+    else:
+        nq = 1.0
+    store2(o + i_hv * V, tok, m, HV * V, o_v, m_v, output_tile(qt, S, A, Ec, nq, PREC, DT, NORMS))
 
 
 def chunk_output(
@@ -72,10 +78,12 @@ def chunk_output(
     precision: Precision,
     out_dtype: torch.dtype,
     out: Tensor | None = None,
+    norms: Tensor | None = None,
 ) -> Tensor:
     """``o [T, HV, V]`` in ``out_dtype``: ``Qt [T, HV, K]``, ``Mqk [T, HV, BT]``, ``Hin [NC, HV, K, V]`` (the state
     entering each slot), ``E [T, HV, V]`` (the resolved errors). ``out``: a contiguous ``[T, HV, V]`` tensor of
-    ``out_dtype`` to write into (the op's output, saving a copy), else a new one."""
+    ``out_dtype`` to write into (the op's output, saving a copy), else a new one. ``norms [2, T, HV]``: the l2norm
+    factors of ``Qt``'s rows (``norms[0]``) when it was stored without them."""
     T, HV, K = Qt.shape
     V = E.shape[2]
     NC = slots.start.shape[0]
@@ -85,8 +93,10 @@ def chunk_output(
     cfg = launch("output", BV=V)
     _launch_output(
         (NC, cdiv(V, cfg["BV"]), HV),
-        (contiguous(Qt), contiguous(Mqk), contiguous(Hin), contiguous(E), o, slots.start, slots.count, HV),
-        dict(K=K, V=V, BK=pow2(K), BT=BT, PREC=precision.output, DT=compute_dtype(Hin), **cfg),
+        (contiguous(Qt), contiguous(Mqk), contiguous(Hin), contiguous(E), o, None if norms is None else norms[0],
+         slots.start, slots.count, HV),
+        dict(K=K, V=V, BK=pow2(K), BT=BT, PREC=precision.output, DT=compute_dtype(Hin), NORMS=norms is not None,
+             **cfg),
     )  # fmt: skip
     return o
 

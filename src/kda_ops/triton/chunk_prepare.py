@@ -64,48 +64,61 @@ from kda_ops.varlen import SlotRows
 def solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, Tm, tok, m, i_hv, HV, K: tl.constexpr, V: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
                     BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, PREC_SOLVE: tl.constexpr,
-                    PREC_WY: tl.constexpr, DT: tl.constexpr, STORE_TM: tl.constexpr):
+                    PREC_WY: tl.constexpr, DT: tl.constexpr, STORE_TM: tl.constexpr, nq, nk, FOLD: tl.constexpr):
     """Masks; store Mqk; stage 3: ``Tm = (I + Mkk)^-1`` (stored when ``STORE_TM``), ``W = Tm diag(beta) Kt``
-    (``Kt`` as the key tiles left it in ``W``) and ``U = Tm diag(beta) V``."""
+    (``Kt`` as the key tiles left it in ``W``) and ``U = Tm diag(beta) V``. ``FOLD``: the products were formed from
+    raw ``q, k``; ``nq, nk [BT]`` are their l2norm factors, applied here to rows and columns."""
     beta2 = load_beta2(beta, tok, m, HV, i_hv, BETA_SIGMOID, NEG_EIGVAL, DT)
+    if FOLD:
+        Mqk2 = Mqk2 * nq[:, None] * nk[None, :]
+        Mkk2 = Mkk2 * nk[:, None] * nk[None, :]
     Mqk2, Mkk2 = intra_masks(Mqk2, Mkk2, beta2, BT)
     cols = tl.arange(0, BT)
     store2(Mqk + i_hv * BT, tok, m, HV * BT, cols, col_mask(cols, BT, BT), Mqk2)
-    solve_wy(Mkk2, beta2, v, W, U, Tm, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT, PREC_SOLVE, PREC_WY, DT, STORE_TM)
+    solve_wy(Mkk2, beta2, v, W, U, Tm, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT, PREC_SOLVE, PREC_WY, DT, STORE_TM,
+             nk, FOLD)
 
 
 @triton.jit
 def chunk_prepare_kernel(
-    q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Flag, slot_start, slot_count, scale, lower_bound,
-    H, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
+    q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm, slot_start, slot_count, scale,
+    lower_bound, H, HV, T, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
     BC: tl.constexpr, BT: tl.constexpr, USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr,
     USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
     PREC_INTRA: tl.constexpr, PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr, DT: tl.constexpr,
-    STORE_TM: tl.constexpr, ASPAN: tl.constexpr,
+    STORE_TM: tl.constexpr, ASPAN: tl.constexpr, FOLD: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
     if count == 0:
         return
-    rq, rk = qk_norms(q, k, tok, m, i_h, H, K, BK, BT, USE_L2NORM, DT)
+    if FOLD:  # the l2norm factors from the key loop's own loads, applied after it
+        rq = 1.0
+        rk = 1.0
+        ssq = tl.zeros((BT,), dtype=DT)
+        ssk = tl.zeros((BT,), dtype=DT)
+    else:
+        rq, rk = qk_norms(q, k, tok, m, i_h, H, K, BK, BT, USE_L2NORM, DT)
     # stages 1-2: decays, Qt, Kend, Gam_last (stored) and Mqk, Mkk (registers), anchored at the middle row
     Mqk2 = tl.zeros((BT, BT), dtype=DT)
     Mkk2 = tl.zeros((BT, BT), dtype=DT)
     span = tl.zeros((BT,), dtype=DT)
     NK: tl.constexpr = (K + BK - 1) // BK
-    # Without the l2norm pass the next key tile loads while this one computes (its stores come first in program
-    # order, and a load after a store that it might alias cannot be issued early; the last step reloads the last
-    # tile): the backward's recompute (prepared fp32 q, k), forward + backward 21.85 -> 21.63 ms. After the l2norm
-    # pass q and k are L2-resident and the prefetch only costs registers: the forward at B1 T32768 H32 bf16 took
-    # 3.957 ms with it, 3.887 without (H200).
-    PREFETCH: tl.constexpr = not USE_L2NORM
+    # PREFETCH: the next key tile loads while this one computes (its stores come first in program order, and a load
+    # after a store that it might alias cannot be issued early; the last step reloads the last tile): without the
+    # l2norm pass (the backward's recompute, prepared fp32 q, k), forward + backward 21.85 -> 21.63 ms. After the
+    # l2norm pass q and k are L2-resident and the prefetch only costs registers: the forward at B1 T32768 H32 bf16
+    # took 3.957 ms with it, 3.887 without (H200).
     xq, xk, xg = key_loads(q, k, g, tok, m, i_h, i_hv, H, HV, 0, K, BK)
     for i_k in range(NK):
         if PREFETCH:
             xq_n, xk_n, xg_n = key_loads(q, k, g, tok, m, i_h, i_hv, H, HV, tl.minimum(i_k + 1, NK - 1), K, BK)
         else:
             xq, xk, xg = key_loads(q, k, g, tok, m, i_h, i_hv, H, HV, i_k, K, BK)
+        if FOLD:
+            ssq += tl.sum(xq.to(DT) * xq.to(DT), axis=1)
+            ssk += tl.sum(xk.to(DT) * xk.to(DT), axis=1)
         qs, kk, g2, E = key_compute(xq, xk, xg, A_log, dt_bias, Qt, Kend, Gl, W, tok, m, i_c, i_hv, HV, scale,
                                     lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT, True)
         span = row_span(span, E)
@@ -114,19 +127,27 @@ def chunk_prepare_kernel(
             xq, xk, xg = xq_n, xk_n, xg_n
     far = tl.max(span, axis=0) > ASPAN
     tl.store(Flag + i_c.to(tl.int64) * HV + i_hv, far.to(tl.int32))
+    if FOLD:
+        nq = 1.0 / tl.sqrt(ssq + 1e-6)
+        nk = 1.0 / tl.sqrt(ssk + 1e-6)
+        tl.store(Nrm + tok * HV + i_hv, nq, mask=m)
+        tl.store(Nrm + (T + tok) * HV + i_hv, nk, mask=m)
+    else:
+        nq = 1.0
+        nk = 1.0
     if not far:
         solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, Tm, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT,
-                        BETA_SIGMOID, NEG_EIGVAL, PREC_SOLVE, PREC_WY, DT, STORE_TM)  # fmt: skip
+                        BETA_SIGMOID, NEG_EIGVAL, PREC_SOLVE, PREC_WY, DT, STORE_TM, nq, nk, FOLD)  # fmt: skip
 
 
 @triton.jit
 def chunk_prepare_blocks_kernel(
-    q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Flag, slot_start, slot_count, scale, lower_bound,
-    H, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
+    q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm, slot_start, slot_count, scale,
+    lower_bound, H, HV, T, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
     BC: tl.constexpr, BT: tl.constexpr, USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr,
     USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
     PREC_INTRA: tl.constexpr, PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr, DT: tl.constexpr,
-    STORE_TM: tl.constexpr, SPAN: tl.constexpr, CHECK_FLAG: tl.constexpr,
+    STORE_TM: tl.constexpr, SPAN: tl.constexpr, CHECK_FLAG: tl.constexpr, FOLD: tl.constexpr,
 ):  # fmt: skip
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -143,8 +164,12 @@ def chunk_prepare_blocks_kernel(
         qs, kk, g2, E = key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, W, tok, m, i_c, i_h, i_hv, H, HV, scale,
                                  lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT, False)
         Mqk2, Mkk2 = intra_blocks(qs, kk, g2, Mqk2, Mkk2, NB, BC, BT, BK, PREC_INTRA, DT, SPAN)
+    if FOLD:  # this kernel stores normalised factors: unit factors for its chunk's rows
+        one = tl.full((BT,), 1.0, DT)
+        tl.store(Nrm + tok * HV + i_hv, one, mask=m)
+        tl.store(Nrm + (T + tok) * HV + i_hv, one, mask=m)
     solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, Tm, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT, BETA_SIGMOID,
-                    NEG_EIGVAL, PREC_SOLVE, PREC_WY, DT, STORE_TM)  # fmt: skip
+                    NEG_EIGVAL, PREC_SOLVE, PREC_WY, DT, STORE_TM, 1.0, 1.0, False)  # fmt: skip
 
 
 def anchored_path_usable(opts: Options) -> bool:
@@ -153,6 +178,14 @@ def anchored_path_usable(opts: Options) -> bool:
     diagonal blocks, 16 x 5 = 80 nats). Decided from the options, never from data."""
     lb = opts.lower_bound if opts.use_gate else None
     return lb is None or abs(lb) * (BT // 2) <= ANCHOR_SPAN
+
+
+# The anchored kernel folds the l2norm into its key loop (FOLD_NORMS): the products and tiles are formed from raw
+# q, k and the factors applied after the loop (``Mqk``, ``Mkk``, ``W``) or by the consumers (``Qt`` by the output
+# stage, ``Kend`` by the scan), which saves the pass that loads q and k once more before the loop. PREFETCH_FOLDED:
+# with no such pass, load the next key tile a step ahead as the backward's recompute does.
+FOLD_NORMS = True
+PREFETCH_FOLDED = True
 
 
 def chunk_prepare(
@@ -168,13 +201,16 @@ def chunk_prepare(
     opts: Options,
     precision: Precision,
     store_tm: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
-    """``(Mqk, W, U, Qt, Kend, Gam_last, Tm)`` of every chunk slot, from the flat token stream.
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    """``(Mqk, W, U, Qt, Kend, Gam_last, Tm, Nrm)`` of every chunk slot, from the flat token stream.
 
     Inputs: ``q, k [T, H, K]``, ``v [T, HV, V]``, ``g [T, HV, K]``, ``beta [T, HV]`` as given to the public
     function. Outputs: ``Mqk [T, HV, BT]``, ``W, Qt, Kend [T, HV, K]``, ``U [T, HV, V]`` in ``precision.store``;
     ``Gam_last [NC, HV, K]`` in the compute dtype (empty slots not written). With ``store_tm`` (the backward's
     recompute), ``Mqk`` and ``Tm = (I + Mkk)^-1 [T, HV, BT]`` in the compute dtype, else ``Tm`` is None.
+    ``Nrm [2, T, HV]`` (compute dtype) when the l2norm is folded (:data:`FOLD_NORMS`, l2norm asked, anchored path
+    tried), else None: ``Qt`` and ``Kend`` are then stored without the l2norm factors of their rows, ``Nrm[0]`` (of
+    q) and ``Nrm[1]`` (of k); ``Mqk``, ``W``, ``U`` are complete either way.
     """
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
@@ -188,11 +224,14 @@ def chunk_prepare(
     U = v.new_empty(T, HV, V, dtype=store)
     Gl = q.new_empty(NC, HV, K, dtype=state_dtype(v))
     Flag = q.new_empty(NC, HV, dtype=torch.int32)
-    poison(Mqk, W, U, Qt, Kend, Gl, Tm, Flag)
+    anchored = anchored_path_usable(opts)
+    fold = FOLD_NORMS and anchored and opts.use_qk_l2norm
+    Nrm = q.new_empty(2, T, HV, dtype=state_dtype(v)) if fold else None
+    poison(Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm)
     args = (
         contiguous(q), contiguous(k), contiguous(v), contiguous(g), contiguous(beta), A_log, dt_bias,
-        Mqk, W, U, Qt, Kend, Gl, Tm, Flag, slots.start, slots.count, float(scale),
-        0.0 if opts.lower_bound is None else float(opts.lower_bound), H, HV,
+        Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm, slots.start, slots.count, float(scale),
+        0.0 if opts.lower_bound is None else float(opts.lower_bound), H, HV, T,
     )  # fmt: skip
     meta = dict(
         K=K, V=V, NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm,
@@ -200,13 +239,13 @@ def chunk_prepare(
         PREC_SOLVE=precision.solve, PREC_WY=precision.wy, DT=compute_dtype(v), STORE_TM=store_tm,
         **gate_flags(opts, A_log, dt_bias),
     )  # fmt: skip
-    anchored = anchored_path_usable(opts)
     if anchored:
-        _launch_prepare((NC, HV), args, dict(meta, ASPAN=ANCHOR_SPAN, **launch("prepare", BK=K, BV=V)))
-    _launch_blocks(
-        (NC, HV), args, dict(meta, SPAN=FACTOR_SPAN, CHECK_FLAG=anchored, **launch("prepare_blocks", BK=K, BV=V))
-    )
-    return Mqk, W, U, Qt, Kend, Gl, Tm
+        prefetch = not opts.use_qk_l2norm or (fold and PREFETCH_FOLDED)
+        _launch_prepare((NC, HV), args, dict(meta, ASPAN=ANCHOR_SPAN, FOLD=fold, PREFETCH=prefetch,
+                                             **launch("prepare", BK=K, BV=V)))  # fmt: skip
+    _launch_blocks((NC, HV), args, dict(meta, SPAN=FACTOR_SPAN, CHECK_FLAG=anchored, FOLD=fold,
+                                        **launch("prepare_blocks", BK=K, BV=V)))  # fmt: skip
+    return Mqk, W, U, Qt, Kend, Gl, Tm, Nrm
 
 
 _launch_prepare = Launcher(chunk_prepare_kernel)

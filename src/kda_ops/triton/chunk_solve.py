@@ -32,6 +32,7 @@ from kda_ops.triton.chunk_common import (
     load2,
     load_beta2,
     mm,
+    scale_rows,
     slot_rows,
     store2,
     tile2,
@@ -85,11 +86,12 @@ def solve_unit_lower(N2, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, P
 
 @triton.jit
 def wy_stored(Tb, v, W, U, tok, m, i_hv, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-              PREC: tl.constexpr, DT: tl.constexpr):
+              PREC: tl.constexpr, DT: tl.constexpr, nk, FOLD: tl.constexpr):
     """``W = Tb Kt`` and ``U = Tb V`` for ``Tb = Tm diag(beta) [BT, BT]``, where ``W`` holds ``Kt = k exp(Gam)`` of
     the chunk's rows on entry (stored by the key tiles in ``W``'s dtype: by this program's in the fused prepare
     kernel, by the intra stage's otherwise): no second pass over ``k`` and ``g``. Each tile of ``W`` is read, then
-    overwritten by the same program."""
+    overwritten by the same program. ``FOLD``: the stored ``Kt`` rows are not yet l2-normalised; ``nk [BT]`` are
+    their factors."""
     # Each tile is loaded one step ahead, before the store of the tile before it: a load after a store that it
     # might alias cannot be issued early, so each step would wait for its own load.
     NK: tl.constexpr = (K + BK - 1) // BK
@@ -102,7 +104,7 @@ def wy_stored(Tb, v, W, U, tok, m, i_hv, HV, K: tl.constexpr, V: tl.constexpr, B
         Kt_n = tile2(W + i_hv * K, tok, m, HV * K, o_n, o_n < tl.where(i_k + 1 < NK, K, 0))
         tl.debug_barrier()  # every thread's loads of this tile before any thread's stores
         o_k = i_k * BK + tl.arange(0, BK)
-        store2(W + i_hv * K, tok, m, HV * K, o_k, col_mask(o_k, K, BK), mm(Tb, Kt, PREC, DT))
+        store2(W + i_hv * K, tok, m, HV * K, o_k, col_mask(o_k, K, BK), mm(Tb, scale_rows(Kt, nk, FOLD), PREC, DT))
         Kt = Kt_n
     o_v = tl.arange(0, BV)
     vv = tile2(v + i_hv * V, tok, m, HV * V, o_v, col_mask(o_v, V, BV))
@@ -117,7 +119,7 @@ def wy_stored(Tb, v, W, U, tok, m, i_hv, HV, K: tl.constexpr, V: tl.constexpr, B
 @triton.jit
 def solve_wy(Mkk2, beta2, v, W, U, Tm, tok, m, i_hv, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
              BV: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, PREC_SOLVE: tl.constexpr,
-             PREC_WY: tl.constexpr, DT: tl.constexpr, STORE_TM: tl.constexpr):
+             PREC_WY: tl.constexpr, DT: tl.constexpr, STORE_TM: tl.constexpr, nk, FOLD: tl.constexpr):
     """Stage 3 of one chunk from ``Mkk [BT, BT]`` (masked, beta applied) and ``beta [BT]``: ``Tm = (I + Mkk)^-1``
     (stored when ``STORE_TM``), then ``W`` and ``U`` (:func:`wy_stored`). The staged kernel and the fused prepare
     kernels both end with it."""
@@ -125,7 +127,7 @@ def solve_wy(Mkk2, beta2, v, W, U, Tm, tok, m, i_hv, HV, K: tl.constexpr, V: tl.
     if STORE_TM:
         cols = tl.arange(0, BT)
         store2(Tm + i_hv * BT, tok, m, HV * BT, cols, col_mask(cols, BT, BT), T2)
-    wy_stored(T2 * beta2[None, :], v, W, U, tok, m, i_hv, HV, K, V, BK, BV, PREC_WY, DT)
+    wy_stored(T2 * beta2[None, :], v, W, U, tok, m, i_hv, HV, K, V, BK, BV, PREC_WY, DT, nk, FOLD)
 
 
 @triton.jit
@@ -143,7 +145,8 @@ def chunk_solve_kernel(
     m_c = col_mask(cols, BT, BT)
     Mkk2 = load2(Mkk + i_hv * BT, tok, m, HV * BT, cols, m_c, DT)
     beta2 = load_beta2(beta, tok, m, HV, i_hv, BETA_SIGMOID, NEG_EIGVAL, DT)
-    solve_wy(Mkk2, beta2, v, W, U, Tm, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT, PREC_SOLVE, PREC_WY, DT, STORE_TM)
+    solve_wy(Mkk2, beta2, v, W, U, Tm, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT, PREC_SOLVE, PREC_WY, DT, STORE_TM,
+             1.0, False)
 
 
 def chunk_solve(

@@ -38,6 +38,7 @@ from kda_ops.triton.chunk_common import (
     load2,
     mm,
     pow2,
+    scale_rows,
     store2,
     tile2,
 )
@@ -93,10 +94,10 @@ def scan_block_v(V: int, programs: int, device: torch.device) -> int:
 
 @triton.jit
 def chunk_state_kernel(
-    W, U, Kend, Gl, h0, final, Qt, Mqk, o, Hin, E, cu, chunk_off, HV,
+    W, U, Kend, Gl, h0, final, Qt, Mqk, o, Hin, E, Nq, Nk, cu, chunk_off, HV,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr, FUSE_OUTPUT: tl.constexpr, STORE_STATES: tl.constexpr,
-    PREC_SCAN: tl.constexpr, PREC_OUT: tl.constexpr, DT: tl.constexpr,
+    PREC_SCAN: tl.constexpr, PREC_OUT: tl.constexpr, DT: tl.constexpr, NORMS: tl.constexpr,
 ):  # fmt: skip
     # one grid axis (the others stop at 65535), value tiles of one head adjacent: they share W, Qt, Kend in L2
     NV: tl.constexpr = (V + BV - 1) // BV
@@ -129,6 +130,9 @@ def chunk_state_kernel(
     ke = tile2(Kend + i_hv * K, tok, m, HV * K, o_k, m_k)
     # chunk-count conditions as [BK] tensors: triton 3.9's interpreter rejects a mask of tensor & scalar
     gl = tl.load(Gl + (c0 * HV + i_hv) * K + o_k, mask=m_k & (o_k * 0 < n_chunks), other=0.0).to(DT)
+    # NORMS: Qt and Kend were stored without the l2norm factors of their rows (chunk_prepare's FOLD_NORMS)
+    nq = tl.load(Nq + tok * HV + i_hv, mask=m, other=0.0).to(DT) if NORMS and FUSE_OUTPUT else 1.0
+    nk = tl.load(Nk + tok * HV + i_hv, mask=m, other=0.0).to(DT) if NORMS else 1.0
     for j in range(n_chunks):
         c = c0 + j
         tok_n = tok + BT
@@ -138,6 +142,8 @@ def chunk_state_kernel(
         ke_n = tile2(Kend + i_hv * K, tok_n, m_n, HV * K, o_k, m_k)
         gl_n = tl.load(Gl + ((c + 1) * HV + i_hv) * K + o_k, mask=m_k & (o_k * 0 + j + 1 < n_chunks), other=0.0)
         gl_n = gl_n.to(DT)
+        nq_n = tl.load(Nq + tok_n * HV + i_hv, mask=m_n, other=0.0).to(DT) if NORMS and FUSE_OUTPUT else 1.0
+        nk_n = tl.load(Nk + tok_n * HV + i_hv, mask=m_n, other=0.0).to(DT) if NORMS else 1.0
         Ec = u - mm(w, S, PREC_SCAN, DT)
         if STORE_STATES:
             tl.store(Hin + (c * HV + i_hv) * K * V + p_s, S.to(Hin.dtype.element_ty), mask=m_s)
@@ -145,9 +151,9 @@ def chunk_state_kernel(
         if FUSE_OUTPUT:
             qt = tile2(Qt + i_hv * K, tok, m, HV * K, o_k, m_k)
             A = tile2(Mqk + i_hv * BT, tok, m, HV * BT, rows, col_mask(rows, BT, BT))
-            store2(o + i_hv * V, tok, m, HV * V, o_v, m_v, output_tile(qt, S, A, Ec, PREC_OUT, DT))
-        S = S * tl.exp(gl)[:, None] + mm(tl.trans(ke), Ec, PREC_SCAN, DT)
-        w, u, ke, gl, tok, m = w_n, u_n, ke_n, gl_n, tok_n, m_n
+            store2(o + i_hv * V, tok, m, HV * V, o_v, m_v, output_tile(qt, S, A, Ec, nq, PREC_OUT, DT, NORMS))
+        S = S * tl.exp(gl)[:, None] + mm(tl.trans(ke), scale_rows(Ec, nk, NORMS), PREC_SCAN, DT)
+        w, u, ke, gl, tok, m, nq, nk = w_n, u_n, ke_n, gl_n, tok_n, m_n, nq_n, nk_n
     if STORE_FINAL:
         tl.store(final + s_off + p_s, S.to(final.dtype.element_ty), mask=m_s)
 
@@ -171,6 +177,7 @@ def chunk_state(
     outputs: tuple[Tensor, Tensor, Tensor] | None = None,
     store_states: bool = False,
     offsets: Tensor | None = None,
+    norms: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
     """Run the scan over the chunks of every sequence of ``cu`` (sanitized, int64, over the flat token stream).
 
@@ -178,7 +185,9 @@ def chunk_state(
     Writes ``final [N, HV, K, V]`` if given, and with ``outputs = (Qt, Mqk, o)`` the outputs into ``o [T, HV, V]``.
     Returns ``(Hin [NC, HV, K, V], E [T, HV, V])`` with ``store_states`` (in ``precision.store`` while
     :data:`STATES_IN_STORE_DTYPE`, else the compute dtype), else ``(None, None)``.
-    ``offsets``: each sequence's first chunk slot (:func:`chunk_offsets` of ``cu`` when not given).
+    ``offsets``: each sequence's first chunk slot (:func:`chunk_offsets` of ``cu`` when not given). ``norms [2, T,
+    HV]``: the l2norm factors of the rows of ``Qt`` and ``Kend`` when they were stored without them
+    (:func:`~kda_ops.triton.chunk_prepare.chunk_prepare`).
     """
     T, HV, K = W.shape
     V = U.shape[2]
@@ -195,10 +204,11 @@ def chunk_state(
     offsets = chunk_offsets(cu) if offsets is None else offsets
     _launch_scan(
         (N * HV * cdiv(V, BV),),
-        (contiguous(W), contiguous(U), contiguous(Kend), Gl, h0, final, Qt, Mqk, o, Hin, E, cu, offsets, HV),
+        (contiguous(W), contiguous(U), contiguous(Kend), Gl, h0, final, Qt, Mqk, o, Hin, E,
+         None if norms is None else norms[0], None if norms is None else norms[1], cu, offsets, HV),
         dict(K=K, V=V, BK=pow2(K), BV=BV, BT=BT, USE_H0=h0 is not None, STORE_FINAL=final is not None,
              FUSE_OUTPUT=outputs is not None, STORE_STATES=store_states, PREC_SCAN=precision.scan,
-             PREC_OUT=precision.output, DT=compute_dtype(Gl), **launch("scan")),
+             PREC_OUT=precision.output, DT=compute_dtype(Gl), NORMS=norms is not None, **launch("scan")),
     )  # fmt: skip
     return Hin, E
 
