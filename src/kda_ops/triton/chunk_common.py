@@ -105,8 +105,7 @@ class Precision:
     """Per-product precision of the chunk pipeline (each one of :data:`PRECISIONS`) and the storage dtype.
 
     intra:  the chunk's Mqk and Mkk (products of decayed keys and queries)
-    solve:  the chunk-wide doubling steps of ``(I + Mkk)^-1`` (its 16x16 diagonal blocks always run at fp32
-            accuracy: 3xTF32, or exact with "ieee")
+    solve:  the doubling steps of ``(I + Mkk)^-1`` (its 16x16 diagonal blocks and the chunk-wide steps)
     wy:     ``W = Tm diag(beta) Kt`` and ``U = Tm diag(beta) V``
     scan:   ``W S`` and ``Kend^T E`` in the state scan (the sequential critical path)
     output: ``Qt S`` and ``Mqk E``
@@ -131,9 +130,10 @@ class Precision:
 # 3xTF32 (~2e-7 per product) in the scan and the output, whose exact-fp32 form compiles for sm_90 to a CUDA-core
 # product that spills 8 KB per thread (ptxas, K = V = 128). 16-bit inputs: factors stored in bf16 (half the bytes of
 # the stages' traffic); bf16 products in the scan and the output (tensor cores at full rate, no fp32 operand tiles);
-# TF32 in the intra products, the solve's chunk-wide steps and W, U (the solve's 16-row diagonal blocks always run
-# at fp32 accuracy). Measured on the H200 (triton 3.6, 2026-11-29; error at B1 T1000 H32 vs the float64 oracle,
-# stage ms at B1 T32768 H32; the alternatives are rows of `python benchmarks/bench_chunk.py --precision-sweep`):
+# TF32 in the intra products, the solve and W, U (the solve's 16-row diagonal blocks ran in 3xTF32 until measured:
+# 0.13 ms of the forward, no change in any error, chunk_solve.solve_unit_lower). Measured on the H200 (triton 3.6,
+# 2026-11-29; error at B1 T1000 H32 vs the float64 oracle, stage ms at B1 T32768 H32; the alternatives are rows of
+# `python benchmarks/bench_chunk.py --precision-sweep`):
 # all-TF32 products o 2.79e-3, scan 1.581 ms, output 0.849 ms; bf16 scan o 2.79e-3, scan 0.983 ms; bf16 output
 # (value tile 64) o 3.11e-3, output 0.669 ms. The doubling solve (staged kernel): 3xTF32 steps 5.14 ms (1.4 KB of
 # spills per thread), TF32 1.42 ms, bf16 1.06 ms, each o 3.11e-3 / state 2.37e-3; the row-by-row solve it replaced
