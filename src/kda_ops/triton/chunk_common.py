@@ -234,7 +234,13 @@ def rnorm2(ptr, tok, m, stride, K: tl.constexpr, BK: tl.constexpr, BT: tl.conste
         o_k = i_k * BK + tl.arange(0, BK)
         x = load2(ptr, tok, m, stride, o_k, col_mask(o_k, K, BK), DT)
         ss += tl.sum(x * x, axis=1)
-    return (1.0 / tl.sqrt(ss + 1e-6))[:, None]
+    return rnorm(ss)[:, None]
+
+
+@triton.jit
+def rnorm(ss):
+    """The l2norm factor ``1 / sqrt(ss + 1e-6)`` of rows whose sums of squares are ``ss`` (``reference/gates.py``)."""
+    return 1.0 / tl.sqrt(ss + 1e-6)
 
 
 @triton.jit

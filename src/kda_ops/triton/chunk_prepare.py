@@ -40,6 +40,7 @@ from kda_ops.triton.chunk_common import (
     contiguous,
     launch,
     load_beta2,
+    rnorm,
     slot_rows,
     store2,
 )
@@ -128,8 +129,8 @@ def chunk_prepare_kernel(
     far = tl.max(span, axis=0) > ASPAN
     tl.store(Flag + i_c.to(tl.int64) * HV + i_hv, far.to(tl.int32))
     if FOLD:
-        nq = 1.0 / tl.sqrt(ssq + 1e-6)
-        nk = 1.0 / tl.sqrt(ssk + 1e-6)
+        nq = rnorm(ssq)
+        nk = rnorm(ssk)
         tl.store(Nrm + tok * HV + i_hv, nq, mask=m)
         tl.store(Nrm + (T + tok) * HV + i_hv, nk, mask=m)
     else:
@@ -182,10 +183,12 @@ def anchored_path_usable(opts: Options) -> bool:
 
 # The anchored kernel folds the l2norm into its key loop (FOLD_NORMS): the products and tiles are formed from raw
 # q, k and the factors applied after the loop (``Mqk``, ``Mkk``, ``W``) or by the consumers (``Qt`` by the output
-# stage, ``Kend`` by the scan), which saves the pass that loads q and k once more before the loop. PREFETCH_FOLDED:
-# with no such pass, load the next key tile a step ahead as the backward's recompute does.
+# stage, ``Kend`` by the scan), which saves the pass that loads q and k once more before the loop; with no such pass
+# the next key tile loads a step ahead, as in the backward's recompute. Measured on the H200 (triton 3.6, 2026-11-29,
+# B1 H32 bf16, two alternating processes each): forward at T = 32768 3.636 / 3.639 -> 3.568 / 3.568 ms (stages 1-3
+# 2.364 -> 2.208), prefill at T = 1024 under a graph 139.4 / 139.5 -> 134.1 / 134.4 us, forward + backward 20.30 ->
+# 20.23 ms; folded without the prefetch 3.768 / 3.766 ms.
 FOLD_NORMS = True
-PREFETCH_FOLDED = True
 
 
 def chunk_prepare(
@@ -240,7 +243,7 @@ def chunk_prepare(
         **gate_flags(opts, A_log, dt_bias),
     )  # fmt: skip
     if anchored:
-        prefetch = not opts.use_qk_l2norm or (fold and PREFETCH_FOLDED)
+        prefetch = not opts.use_qk_l2norm or fold
         _launch_prepare((NC, HV), args, dict(meta, ASPAN=ANCHOR_SPAN, FOLD=fold, PREFETCH=prefetch,
                                              **launch("prepare", BK=K, BV=V)))  # fmt: skip
     _launch_blocks((NC, HV), args, dict(meta, SPAN=FACTOR_SPAN, CHECK_FLAG=anchored, FOLD=fold,
