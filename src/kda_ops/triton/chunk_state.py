@@ -59,8 +59,9 @@ BV_OVERRIDE: int | None = None
 # dot, while BV = 32 and 64 ran (2026-11-29; benchmarks at N*HV = 32 and 256 vs the failing tests at N*HV = 8).
 BV_CHOICES = (64, 32)
 # Programs per SM below which BV halves: one program per SM leaves the scan's latency exposed; 0.8 keeps
-# 32 heads x 4 tiles = 128 programs on a 132-SM H200 at BV = 32 rather than halving to 16.
-# TODO(bench): justify with `python benchmarks/bench_chunk.py --sweep-bv` on the H200.
+# 32 heads x 4 tiles = 128 programs on a 132-SM H200 at BV = 32 rather than halving to 16. Measured there (B1 T32768
+# H32 bf16, 2026-11-29, `.scratch`-style driver forcing BV_OVERRIDE and the launch's warps): BV = 32 with 8 warps
+# 0.845 ms (the pick), BV = 32 with 4 warps 0.971, BV = 64 (64 programs) with 8 warps 1.133, with 4 warps 2.555.
 MIN_PROGRAMS_PER_SM = 0.8
 
 
