@@ -31,7 +31,7 @@ from kda_ops.triton import chunk_state as ts  # noqa: E402
 from kda_ops.triton.chunk_bwd_dqk import chunk_bwd_dqk  # noqa: E402
 from kda_ops.triton.chunk_bwd_dv import chunk_bwd_dv  # noqa: E402
 from kda_ops.triton.chunk_bwd_scan import chunk_bwd_scan  # noqa: E402
-from kda_ops.triton.chunk_common import BT  # noqa: E402
+from kda_ops.triton.chunk_common import BT, exact_bf16  # noqa: E402
 from kda_ops.triton.debug import poison_outputs  # noqa: E402
 from kda_ops.varlen import chunk_slots  # noqa: E402
 
@@ -145,6 +145,18 @@ def _dv_inputs(c: dict[str, Any]) -> dict[str, torch.Tensor]:
     dE, dSp, _ = bwd_oracle.bwd_scan(c["dO"], c["Mqk"], c["Qt"], c["Kend"], c["W"], c["Gl"], c["dht"], c["slots"], BT,
                                      N)  # fmt: skip
     return {"dE": dE, "dSp": dSp}
+
+
+def test_exact_bf16_only_for_bf16_operands(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Products whose operands are all stored in bf16 run in bf16 on the GPU (exact operands: the same products);
+    any other operand dtype keeps the given precision, and so does the interpreter."""
+    b, h, f = (torch.zeros(2, dtype=dt) for dt in (torch.bfloat16, torch.float16, torch.float32))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert exact_bf16("tf32", b, b) == "bf16"
+    assert exact_bf16("tf32", b, f) == exact_bf16("tf32", h, b) == "tf32"
+    assert exact_bf16("ieee", f, f) == "ieee"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert exact_bf16("tf32", b, b) == "tf32"
 
 
 @pytest.mark.parametrize("gates", ["normal", "reset"])

@@ -48,6 +48,7 @@ from kda_ops.triton.chunk_common import (
     col_mask,
     compute_dtype,
     contiguous,
+    exact_bf16,
     launch,
     load2,
     max2,
@@ -152,8 +153,8 @@ def anchored_bwd(qq, kk, G, Gmid, dMqk, dMkk, beta, tok, m, i_hv, HV, scale, BT:
 def chunk_bwd_dqk_kernel(
     q, k, Gam, Gl, beta, dMqk, dMkk, dKt, Hin, E, dSp, dO, dbeta_in, dq, dk, dg, dbeta, flag, slot_start,
     slot_count, scale, H, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-    ASPAN: tl.constexpr, BLOCKS: tl.constexpr,
+    NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, PREC_OH: tl.constexpr,
+    PREC_ED: tl.constexpr, DT: tl.constexpr, ASPAN: tl.constexpr, BLOCKS: tl.constexpr,
 ):  # fmt: skip
     """Two passes over the chunk slots, as stage 2 of the forward. ``BLOCKS = False``: the anchored pass; a chunk
     with a ``|Gam - Gam_mid|`` beyond ``ASPAN`` is flagged (``flag = 1``) and left alone. ``BLOCKS = True``: the
@@ -215,7 +216,7 @@ def chunk_bwd_dqk_kernel(
             h = tl.load(Hin + s_off + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
                         other=0.0).to(DT)  # [BK, BV]
             do = load2(dO + i_hv * V, tok, m, HV * V, o_v, m_v, DT)  # [BT, BV]
-            dQt += mm(do, tl.trans(h), PREC, DT)
+            dQt += mm(do, tl.trans(h), PREC_OH, DT)
         eG = tl.exp(Gm)  # Gam <= 0 and Gam_last - Gam <= 0: both at most 1 (padding rows load 0 and drop out)
         sdQt = scale * eG * dQt
         dq_t += sdQt
@@ -234,7 +235,7 @@ def chunk_bwd_dqk_kernel(
             h = tl.load(Hin + p_s, mask=m_s, other=0.0).to(DT)
             dsp = tl.load(dSp + p_s, mask=m_s, other=0.0).to(DT)
             e = load2(E + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
-            dKe += mm(e, tl.trans(dsp), PREC, DT)
+            dKe += mm(e, tl.trans(dsp), PREC_ED, DT)
             dsh += tl.sum(dsp * h, axis=1)
         gl = tl.load(Gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(DT)
         eE = tl.exp(gl[None, :] - Gm)
@@ -289,7 +290,8 @@ def chunk_bwd_dqk(
         chunk_bwd_dqk_kernel[(NC, HV)](
             contiguous(q), contiguous(k), Gam, Gl, contiguous(beta), dMqk, dMkk, dKt, Hin, contiguous(E), dSp,
             contiguous(dO), dbeta_partial, dq, dk, dg, dbeta, flag, slots.start, slots.count, float(scale), H, HV,
-            K=K, V=V, NB=NB, BC=BC, BT=BT, PREC=prec, DT=compute_dtype(Gl), ASPAN=ANCHOR_SPAN, BLOCKS=blocks,
+            K=K, V=V, NB=NB, BC=BC, BT=BT, PREC=prec, PREC_OH=exact_bf16(prec, dO, Hin),
+            PREC_ED=exact_bf16(prec, E, dSp), DT=compute_dtype(Gl), ASPAN=ANCHOR_SPAN, BLOCKS=blocks,
             **launch("dqk_blocks" if blocks else "dqk", BK=K, BV=V),
         )  # fmt: skip
     return dq, dk, dg, dbeta

@@ -21,7 +21,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kda_ops.triton.chunk_common import BT, col_mask, compute_dtype, contiguous, launch, load2, mm, slot_rows, store2
+from kda_ops.triton.chunk_common import (
+    BT,
+    col_mask,
+    compute_dtype,
+    contiguous,
+    exact_bf16,
+    launch,
+    load2,
+    mm,
+    slot_rows,
+    store2,
+)
 from kda_ops.triton.debug import poison
 from kda_ops.varlen import SlotRows
 
@@ -30,7 +41,7 @@ from kda_ops.varlen import SlotRows
 def chunk_bwd_dv_kernel(
     k, v, g, beta, Tm, Hin, E, dE, dO, dv, dbeta, dMqk, dMkk, dKt, Gam, slot_start, slot_count, H, HV,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    PREC: tl.constexpr, PREC_T: tl.constexpr, DT: tl.constexpr,
+    PREC: tl.constexpr, PREC_T: tl.constexpr, PREC_OE: tl.constexpr, DT: tl.constexpr,
 ):  # fmt: skip
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -52,7 +63,7 @@ def chunk_bwd_dv_kernel(
         e = load2(E + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
         de = load2(dE + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
         vv = load2(v + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
-        dA += mm(do, tl.trans(e), PREC, DT)
+        dA += mm(do, tl.trans(e), PREC_OE, DT)
         X = mm(TmT, de, PREC, DT)
         store2(dv + i_hv * V, tok, m, HV * V, o_v, m_v, b[:, None] * X)
         db += tl.sum(X * vv, axis=1)
@@ -130,7 +141,8 @@ def chunk_bwd_dv(
     chunk_bwd_dv_kernel[(NC, HV)](
         contiguous(k), contiguous(v), contiguous(g), contiguous(beta), contiguous(Tm), Hin, contiguous(E),
         contiguous(dE), contiguous(dO), dv, dbeta, dMqk, dMkk, dKt, Gam, slots.start, slots.count, H, HV,
-        K=K, V=V, BT=BT, PREC=prec, PREC_T=prec_t, DT=compute_dtype(Tm), **launch("dv", BK=K, BV=V),
+        K=K, V=V, BT=BT, PREC=prec, PREC_T=prec_t, PREC_OE=exact_bf16(prec, dO, E), DT=compute_dtype(Tm),
+        **launch("dv", BK=K, BV=V),
     )  # fmt: skip
     return dv, dbeta, dMqk, dMkk, dKt, Gam
 

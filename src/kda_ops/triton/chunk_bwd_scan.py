@@ -19,7 +19,19 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kda_ops.triton.chunk_common import BT, cdiv, col_mask, compute_dtype, contiguous, launch, mm, pow2, store2, tile2
+from kda_ops.triton.chunk_common import (
+    BT,
+    cdiv,
+    col_mask,
+    compute_dtype,
+    contiguous,
+    exact_bf16,
+    launch,
+    mm,
+    pow2,
+    store2,
+    tile2,
+)
 from kda_ops.triton.chunk_state import chunk_offsets, scan_block_v
 from kda_ops.triton.debug import poison
 
@@ -42,7 +54,7 @@ def chunk_tiles(dO, Mqk, Kend, Qt, W, Gl, tok, m, c, i_hv, HV, o_k, m_k, o_v, m_
 def chunk_bwd_scan_kernel(
     dO, Mqk, Qt, Kend, W, Gl, dht, dSp, dE, dh0, cu, chunk_off, HV,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
+    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr, PREC_QO: tl.constexpr, DT: tl.constexpr,
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
@@ -77,7 +89,7 @@ def chunk_bwd_scan_kernel(
         tl.store(dSp + (c * HV + i_hv) * K * V + p_s, dS.to(dSp.dtype.element_ty), mask=m_s)
         de = mm(ke, dS, PREC, DT) + mm(tl.trans(A), do, PREC, DT)  # [BT, BV]
         store2(dE + i_hv * V, tok, m, HV * V, o_v, m_v, de)
-        dS = dS * tl.exp(gl.to(DT))[:, None] + mm(tl.trans(qt), do, PREC, DT) - mm(tl.trans(w), de, PREC, DT)
+        dS = dS * tl.exp(gl.to(DT))[:, None] + mm(tl.trans(qt), do, PREC_QO, DT) - mm(tl.trans(w), de, PREC, DT)
     if STORE_DH0:
         tl.store(dh0 + s_off + p_s, dS.to(dh0.dtype.element_ty), mask=m_s)
 
@@ -126,7 +138,7 @@ def chunk_bwd_scan(
         contiguous(dO), contiguous(Mqk), contiguous(Qt), contiguous(Kend), contiguous(W), Gl,
         None if dht is None else contiguous(dht), dSp, dE, dh0, cu, offsets, HV,
         K=K, V=V, BK=pow2(K), BV=BV, BT=BT, USE_DHT=dht is not None, STORE_DH0=store_dh0, PREC=prec,
-        DT=compute_dtype(Gl), **launch("scan"),
+        PREC_QO=exact_bf16(prec, Qt, dO), DT=compute_dtype(Gl), **launch("scan"),
     )  # fmt: skip
     return dE, dSp, dh0
 

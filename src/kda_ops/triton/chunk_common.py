@@ -74,6 +74,16 @@ def launch(stage: str, **tiles: int) -> dict[str, int]:
     return out
 
 
+def exact_bf16(prec: str, *operands: Tensor) -> str:
+    """The precision of a product whose operands are read from ``operands``: ``"bf16"`` when all are stored in bf16,
+    so that bf16 holds them exactly and the product equals its TF32 or fp32 form (the same exact products, fp32
+    accumulation) at the bf16 tensor-core rate and half the operand bytes; else ``prec``. Under the interpreter
+    ``prec`` (its bf16 ``tl.dot`` is wrong, triton-lang/triton#11584)."""
+    if not interpreting() and all(x.dtype == torch.bfloat16 for x in operands):
+        return "bf16"
+    return prec
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
