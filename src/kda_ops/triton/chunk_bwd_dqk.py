@@ -150,6 +150,30 @@ def anchored_bwd(qq, kk, G, Gmid, dMqk, dMkk, beta, tok, m, i_hv, HV, scale, BT:
 
 
 @triton.jit
+def value_products(Hin, dSp, dO, E, s_off, tok, m, i_hv, HV, o_k, m_k, V: tl.constexpr, BV: tl.constexpr,
+                   BT: tl.constexpr, BK: tl.constexpr, PREC_OH: tl.constexpr, PREC_ED: tl.constexpr,
+                   DT: tl.constexpr):  # fmt: skip
+    """The key tile's products with the chunk's state and its gradient, in one pass over the value tiles (each
+    ``Hin`` tile loaded once): ``dQt = dO Hin^T``, ``dKe = E dS'^T`` ``[BT, BK]`` and ``rowsum(dS' * Hin) [BK]``."""
+    dQt = tl.zeros((BT, BK), dtype=DT)
+    dKe = tl.zeros((BT, BK), dtype=DT)
+    dsh = tl.zeros((BK,), dtype=DT)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = col_mask(o_v, V, BV)
+        m_s = m_k[:, None] & m_v[None, :]
+        p_s = s_off + o_k[:, None] * V + o_v[None, :]
+        h = tl.load(Hin + p_s, mask=m_s, other=0.0).to(DT)  # [BK, BV]
+        do = load2(dO + i_hv * V, tok, m, HV * V, o_v, m_v, DT)  # [BT, BV]
+        dsp = tl.load(dSp + p_s, mask=m_s, other=0.0).to(DT)
+        e = load2(E + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
+        dQt += mm(do, tl.trans(h), PREC_OH, DT)
+        dKe += mm(e, tl.trans(dsp), PREC_ED, DT)
+        dsh += tl.sum(dsp * h, axis=1)
+    return dQt, dKe, dsh
+
+
+@triton.jit
 def chunk_bwd_dqk_kernel(
     q, k, Gam, Gl, beta, dMqk, dMkk, dKt, Hin, E, dSp, dO, dbeta_in, dq, dk, dg, dbeta, flag, slot_start,
     slot_count, scale, H, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -208,15 +232,9 @@ def chunk_bwd_dqk_kernel(
         dq_t = daq
         dk_t = dak + dbk
         dGam = qq * daq + kk * (dak - dbk)
-        # dQt = dO S^T
-        dQt = tl.zeros((BT, BK), dtype=DT)
-        for i_v in range(tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_v = col_mask(o_v, V, BV)
-            h = tl.load(Hin + s_off + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
-                        other=0.0).to(DT)  # [BK, BV]
-            do = load2(dO + i_hv * V, tok, m, HV * V, o_v, m_v, DT)  # [BT, BV]
-            dQt += mm(do, tl.trans(h), PREC_OH, DT)
+        # dQt = dO S^T, dKend = E dS'^T and rowsum(dS' * S) (for the state decay), in one pass over the value tiles
+        dQt, dKe, dsh = value_products(Hin, dSp, dO, E, s_off, tok, m, i_hv, HV, o_k, m_k, V, BV, BT, BK, PREC_OH,
+                                       PREC_ED, DT)  # fmt: skip
         eG = tl.exp(Gm)  # Gam <= 0 and Gam_last - Gam <= 0: both at most 1 (padding rows load 0 and drop out)
         sdQt = scale * eG * dQt
         dq_t += sdQt
@@ -224,19 +242,6 @@ def chunk_bwd_dqk_kernel(
         edkt = eG * dkt
         dk_t += edkt
         dGam += kk * edkt
-        # dKend = E dS'^T, and rowsum(dS' * S) for the state decay
-        dKe = tl.zeros((BT, BK), dtype=DT)
-        dsh = tl.zeros((BK,), dtype=DT)
-        for i_v in range(tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_v = col_mask(o_v, V, BV)
-            m_s = m_k[:, None] & m_v[None, :]
-            p_s = s_off + o_k[:, None] * V + o_v[None, :]
-            h = tl.load(Hin + p_s, mask=m_s, other=0.0).to(DT)
-            dsp = tl.load(dSp + p_s, mask=m_s, other=0.0).to(DT)
-            e = load2(E + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
-            dKe += mm(e, tl.trans(dsp), PREC_ED, DT)
-            dsh += tl.sum(dsp * h, axis=1)
         gl = tl.load(Gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(DT)
         eE = tl.exp(gl[None, :] - Gm)
         Ke = kk * eE
