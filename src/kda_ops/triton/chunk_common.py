@@ -57,7 +57,8 @@ LAUNCH: dict[str, dict[str, int]] = {
     # Forward + backward at B1 T32768 H32 bf16 on the H200 (2026-11-29): dqk 8 warps BV 32 27.78 ms, BV 64 26.37;
     # dv 4 warps BV 32 27.78, 8 warps 29.42, 8 warps BV 64 28.49. Spills (ptxas sm_90, bytes per thread): dqk
     # 8 warps BV 64 16, BV 32 96, 4 warps 560-608, BK 64 456-1992; dv 4 warps BV 32 32, BK or BV 64 with 4 warps
-    # 256-560. The block pass (flagged chunks only) spills 168 B with 4 warps.
+    # 256-560. The block pass (flagged chunks only) spills 168 B with 4 warps. Again on 2026-11-30 (fwd + bwd 18.84
+    # ms, dv 3.01): dv with 8 warps at BK 64 / BV 64, BK 64 / BV 32, BK 32 / BV 64 (no spills) 19.24 / 19.82 / 19.78.
     "dv": {"num_warps": 4, "num_stages": 1, "BK": 32, "BV": 32},
     "dqk": {"num_warps": 8, "num_stages": 1, "BK": 32, "BV": 64},
     "dqk_blocks": {"num_warps": 4, "num_stages": 1, "BK": 32, "BV": 32},
