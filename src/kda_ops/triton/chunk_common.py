@@ -208,6 +208,16 @@ def scale_rows(x, n, ON: tl.constexpr):
 
 
 @triton.jit
+def row_factors(N, tok, m, col, stride, DT: tl.constexpr, ON: tl.constexpr):
+    """Per-row factors ``N[tok, col]`` of a row-major ``[T, stride]`` table (l2norm factors), ``[BT]`` in ``DT``,
+    when ``ON``; else the constant 1.0 (for :func:`scale_rows`). 0 for rows outside ``m``."""
+    if ON:
+        return tl.load(N + tok * stride + col, mask=m, other=0.0).to(DT)
+    else:
+        return 1.0
+
+
+@triton.jit
 def col_mask(o_k, K: tl.constexpr, BK: tl.constexpr):
     """``o_k < K``; a constant ``True`` when ``BK`` divides ``K``, so that the compiler sees the columns unmasked and
     vectorizes the loads (a per-element mask costs a 64-bit pointer per element: 255 registers and spills in the

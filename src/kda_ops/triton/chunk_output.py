@@ -24,6 +24,7 @@ from kda_ops.triton.chunk_common import (
     load2,
     mm,
     pow2,
+    row_factors,
     scale_rows,
     store2,
     tile2,
@@ -62,10 +63,7 @@ def chunk_output_kernel(
     Ec = load2(E + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
     p_s = Hin + (i_c.to(tl.int64) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
     S = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0).to(DT)
-    if NORMS:
-        nq = tl.load(Nq + tok * HV + i_hv, mask=m, other=0.0).to(DT)
-    else:
-        nq = 1.0
+    nq = row_factors(Nq, tok, m, i_hv, HV, DT, NORMS)
     store2(o + i_hv * V, tok, m, HV * V, o_v, m_v, output_tile(qt, S, A, Ec, nq, PREC, DT, NORMS))
 
 

@@ -38,6 +38,7 @@ from kda_ops.triton.chunk_common import (
     load2,
     mm,
     pow2,
+    row_factors,
     scale_rows,
     store2,
     tile2,
@@ -106,8 +107,8 @@ def scan_tiles(W, U, Kend, Gl, Nq, Nk, tok, eos, c0, j, n_chunks, i_hv, HV, o_k,
     # chunk-count conditions as [BK] tensors: triton 3.9's interpreter rejects a mask of tensor & scalar
     gl = tl.load(Gl + ((c0 + j) * HV + i_hv) * K + o_k, mask=m_k & (o_k * 0 + j < n_chunks), other=0.0).to(DT)
     # NORMS: Qt and Kend were stored without the l2norm factors of their rows (chunk_prepare's FOLD_NORMS)
-    nq = tl.load(Nq + tok * HV + i_hv, mask=m, other=0.0).to(DT) if NORMS and FUSE_OUTPUT else 1.0
-    nk = tl.load(Nk + tok * HV + i_hv, mask=m, other=0.0).to(DT) if NORMS else 1.0
+    nq = row_factors(Nq, tok, m, i_hv, HV, DT, NORMS and FUSE_OUTPUT)
+    nk = row_factors(Nk, tok, m, i_hv, HV, DT, NORMS)
     return w, u, ke, gl, nq, nk
 
 
