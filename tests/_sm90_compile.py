@@ -101,13 +101,14 @@ def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
                 gate: bool = False, fold: bool = False) -> dict[str, Any]:  # fmt: skip
         a = dict(q=x, k=x, v=x, g=F32, beta=x, A_log=F32 if gate else None, dt_bias=F32 if gate else None,
                  Mqk=store, W=store, U=store, Qt=store, Kend=store, Gl=F32 if dt == tl.float32 else F64, Tm=None,
-                 Flag=I32, Nrm=F32 if fold else None, T=1000,
+                 Flag=I32, Nrm=F32 if fold else None, Rqk=None, T=1000,
                  slot_start=I64, slot_count=I64, scale=0.1, lower_bound=0.0, H=2, HV=32, K=K, V=V,
                  BK=32 if blocks else 64, BV=min(V, 64), NB=4, BC=16, BT=64, USE_L2NORM=True, USE_GATE=gate,
                  USE_A=gate, USE_BIAS=gate, USE_BOUND=False, BETA_SIGMOID=gate, NEG_EIGVAL=gate,
                  PREC_INTRA=prec[0], PREC_SOLVE=prec[1], PREC_WY=prec[2], DT=dt, STORE_TM=False)  # fmt: skip
         a.update({"SPAN": 80.0, "CHECK_FLAG": True} if blocks else {"ASPAN": 80.0, "PREFETCH": fold})
         a["FOLD"] = fold
+        a["GIVEN_NORMS"] = False
         return a
 
     def scan(K: int, V: int, BV: int, store: torch.dtype = BF, prec: tuple[str, str] = ("bf16", "bf16"),

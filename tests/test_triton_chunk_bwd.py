@@ -304,7 +304,7 @@ def test_l2norm_and_its_gradient(K: int, dtype: torch.dtype) -> None:
     """The one-pass l2norm kernels against the oracle's formula and autograd of it (float64), rows past a
     program's block and a zero row included."""
     from kda_ops.reference.gates import l2norm as l2norm_ref
-    from kda_ops.triton.l2norm import l2norm, l2norm_bwd
+    from kda_ops.triton.l2norm import l2norm, l2norm_bwd, l2norm_factors
 
     x = torch.randn(3, 7, K, dtype=F64)
     x[1, 2] = 0.0
@@ -322,3 +322,7 @@ def test_l2norm_and_its_gradient(K: int, dtype: torch.dtype) -> None:
     dx_in = l2norm_bwd(xd, dy.float(), dtype)
     assert dx_in.dtype == dtype
     assert torch.equal(dx_in, dx.to(dtype))
+    # the factors alone, as the backward's kernels take them: x r is the normalised row, bit for bit
+    r = l2norm_factors(xd, torch.float32)
+    assert r.shape == (3, 7) and r.dtype == torch.float32
+    assert torch.equal(xd.float() * r[..., None], y)

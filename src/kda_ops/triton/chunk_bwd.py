@@ -78,7 +78,7 @@ def chunk_bwd(
     if dht is not None and dht.numel() == 0:
         dht = None
     qf, kf, vf, gf, bf = (contiguous(x).flatten(0, 1) for x in (q, k, v, g, beta))
-    qp, kp, gp, bp = prepare(qf, kf, gf, bf, A_log, dt_bias, opts, dt)
+    qp, kp, gp, bp, norms = prepare(qf, kf, gf, bf, A_log, dt_bias, opts, dt)
     dO = contiguous(do).flatten(0, 1)
     if B * T == 0:
         N = flat_cu_seqlens(cu_seqlens, B, T, v.device).shape[0] - 1
@@ -91,7 +91,7 @@ def chunk_bwd(
         h0 = None if initial_state is None else contiguous(initial_state.to(dt))
         prec, prec_t = product_precisions(v.dtype)
         rp = recompute_precision(v.dtype)
-        fw = chunk_bwd_recompute(qp, kp, vf, gp, bp, scale, h0, cu, slots, rp, slots.offset)
+        fw = chunk_bwd_recompute(qp, kp, vf, gp, bp, scale, h0, cu, slots, rp, slots.offset, norms)
         dht_c = None if dht is None else dht.to(dt)
         # dS', dMqk, dMkk, dKt through memory in the factors' storage dtype (bf16 for bf16 inputs): each is written
         # once and read once, never carried (chunk_bwd_scan, chunk_bwd_dv)
@@ -105,10 +105,10 @@ def chunk_bwd(
         Tm, Hin, E, Gl = fw.Tm, fw.Hin, fw.E, fw.Gl
         del fw
         dv_t, dbeta_p, dMqk, dMkk, dKt, Gam = chunk_bwd_dv(kp, vf, gp, bp, Tm, Hin, E, dE, dO, slots, prec, prec_t,
-                                                                v.dtype, store)
+                                                                v.dtype, store, norms)
         del Tm, dE
         dq_v, dk_v, zg, zb = chunk_bwd_dqk(qp, kp, Gam, Gl, bp, dMqk, dMkk, dKt, Hin, E, dSp, dO, dbeta_p, scale,
-                                           slots, prec)  # fmt: skip
+                                           slots, prec, norms)  # fmt: skip
         dh0 = dh0_ if dh0_ is not None else dSp.new_empty(0)
         del Hin, E, dSp, dMqk, dMkk, dKt, Gam
         # a group's value heads share their q/k head (without groups the view is the sum: no pass over the tensor)

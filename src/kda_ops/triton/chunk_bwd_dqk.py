@@ -51,8 +51,11 @@ from kda_ops.triton.chunk_common import (
     exact_bf16,
     launch,
     load2,
+    load2n,
     max2,
     mm,
+    row_factors,
+    scale_rows,
     slot_rows,
     store2,
 )
@@ -61,11 +64,12 @@ from kda_ops.varlen import SlotRows
 
 
 @triton.jit
-def pairwise_bwd(q, k, Gam, beta, dMqk, dMkk, tok0, count, i_h, i_hv, H, HV, scale, o_k, m_k,
+def pairwise_bwd(q, k, Nq, Nk, Gam, beta, dMqk, dMkk, tok0, count, i_h, i_hv, H, HV, scale, o_k, m_k,
                  K: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
-                 PREC: tl.constexpr, DT: tl.constexpr):
+                 PREC: tl.constexpr, DT: tl.constexpr, NORMS: tl.constexpr):
     """Gradients through the pairwise products of one key tile: ``(da_qk, da_kk, db_qk + db_kk)`` ``[BT, BK]`` and
-    ``rowsum(dMkk * P)`` ``[BT]`` (the tile's share of dbeta). Sub-blocks are loaded from memory."""
+    ``rowsum(dMkk * P)`` ``[BT]`` (the tile's share of dbeta). Sub-blocks are loaded from memory; ``NORMS``: q and k
+    rows times their l2norm factors ``Nq``, ``Nk`` as they load."""
     r = tl.arange(0, BC)
     blk3 = tl.arange(0, NB)[:, None, None]
     blk2 = tl.arange(0, NB)[:, None]
@@ -78,8 +82,8 @@ def pairwise_bwd(q, k, Gam, beta, dMqk, dMkk, tok0, count, i_h, i_hv, H, HV, sca
         rI = I * BC + r
         tI = tok0 + rI
         mI = rI < count
-        qI = load2(q + i_h * K, tI, mI, H * K, o_k, m_k, DT)  # [BC, BK]
-        kI = load2(k + i_h * K, tI, mI, H * K, o_k, m_k, DT)
+        qI = load2n(q + i_h * K, Nq, tI, mI, H * K, o_k, m_k, i_h, H, DT, NORMS)  # [BC, BK]
+        kI = load2n(k + i_h * K, Nk, tI, mI, H * K, o_k, m_k, i_h, H, DT, NORMS)
         GI = load2(Gam + i_hv * K, tI, mI, HV * K, o_k, m_k, DT)
         bI = tl.load(beta + tI * HV + i_hv, mask=mI, other=0.0).to(DT)  # [BC]
         daq = tl.zeros((BC, BK), dtype=DT)
@@ -90,7 +94,7 @@ def pairwise_bwd(q, k, Gam, beta, dMqk, dMkk, tok0, count, i_h, i_hv, H, HV, sca
             mJ = cJ < count
             Xq = load2(dMqk + i_hv * BT, tI, mI, HV * BT, cJ, m_bc, DT) * scale  # [BC, BC]
             Xk = load2(dMkk + i_hv * BT, tI, mI, HV * BT, cJ, m_bc, DT)
-            kJ = load2(k + i_h * K, tJ, mJ, H * K, o_k, m_k, DT)
+            kJ = load2n(k + i_h * K, Nk, tJ, mJ, H * K, o_k, m_k, i_h, H, DT, NORMS)
             GJ = load2(Gam + i_hv * K, tJ, mJ, HV * K, o_k, m_k, DT)
             if J < I:
                 n = J * BC + BC - 1
@@ -112,6 +116,8 @@ def pairwise_bwd(q, k, Gam, beta, dMqk, dMkk, tok0, count, i_h, i_hv, H, HV, sca
                     cj = J * BC + jj
                     m_j = m_k & ((o_k * 0 + cj) < count)  # a block mask (see m_n above)
                     kj = tl.load(k + (tok0 + cj) * H * K + i_h * K + o_k, mask=m_j, other=0.0).to(DT)  # [BK]
+                    if NORMS:
+                        kj = kj * tl.load(Nk + (tok0 + cj) * H + i_h + o_k * 0, mask=m_j, other=0.0).to(DT)
                     Gj = tl.load(Gam + (tok0 + cj) * HV * K + i_hv * K + o_k, mask=m_j, other=0.0).to(DT)
                     xq = tl.load(dMqk + tI * HV * BT + i_hv * BT + cj, mask=mI, other=0.0).to(DT) * scale  # [BC]
                     xk = tl.load(dMkk + tI * HV * BT + i_hv * BT + cj, mask=mI, other=0.0).to(DT)
@@ -175,10 +181,11 @@ def value_products(Hin, dSp, dO, E, s_off, tok, m, i_hv, HV, o_k, m_k, V: tl.con
 
 @triton.jit
 def chunk_bwd_dqk_kernel(
-    q, k, Gam, Gl, beta, dMqk, dMkk, dKt, Hin, E, dSp, dO, dbeta_in, dq, dk, dg, dbeta, flag, slot_start,
+    q, k, Nq, Nk, Gam, Gl, beta, dMqk, dMkk, dKt, Hin, E, dSp, dO, dbeta_in, dq, dk, dg, dbeta, flag, slot_start,
     slot_count, scale, H, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, PREC_OH: tl.constexpr,
     PREC_ED: tl.constexpr, DT: tl.constexpr, ASPAN: tl.constexpr, BLOCKS: tl.constexpr,
+    NORMS: tl.constexpr,
 ):  # fmt: skip
     """Two passes over the chunk slots, as stage 2 of the forward. ``BLOCKS = False``: the anchored pass; a chunk
     with a ``|Gam - Gam_mid|`` beyond ``ASPAN`` is flagged (``flag = 1``) and left alone. ``BLOCKS = True``: the
@@ -209,20 +216,22 @@ def chunk_bwd_dqk_kernel(
             return
     s_off = (i_c.to(tl.int64) * HV + i_hv) * K * V
     db = tl.load(dbeta_in + tok * HV + i_hv, mask=m, other=0.0).to(DT)
+    rq = row_factors(Nq, tok, m, i_h, H, DT, NORMS)  # the l2norm factors of the chunk's q and k rows (or 1.0)
+    rk = row_factors(Nk, tok, m, i_h, H, DT, NORMS)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = col_mask(o_k, K, BK)
         # the terms are added as they come, each tile dropped after its last use, so that few [BT, BK] tiles are
         # live at a time (the kernel spilled kilobytes of registers per thread when all of them were)
         if BLOCKS:
-            daq, dak, dbk, dbeta_kk = pairwise_bwd(q, k, Gam, beta, dMqk, dMkk, tok0, count, i_h, i_hv, H, HV,
-                                                   scale, o_k, m_k, K, BK, NB, BC, BT, PREC, DT)  # fmt: skip
-            qq = load2(q + i_h * K, tok, m, H * K, o_k, m_k, DT)  # [BT, BK]
-            kk = load2(k + i_h * K, tok, m, H * K, o_k, m_k, DT)
+            daq, dak, dbk, dbeta_kk = pairwise_bwd(q, k, Nq, Nk, Gam, beta, dMqk, dMkk, tok0, count, i_h, i_hv, H,
+                                                   HV, scale, o_k, m_k, K, BK, NB, BC, BT, PREC, DT, NORMS)  # fmt: skip
+            qq = scale_rows(load2(q + i_h * K, tok, m, H * K, o_k, m_k, DT), rq, NORMS)  # [BT, BK]
+            kk = scale_rows(load2(k + i_h * K, tok, m, H * K, o_k, m_k, DT), rk, NORMS)
             Gm = load2(Gam + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
         else:
-            qq = load2(q + i_h * K, tok, m, H * K, o_k, m_k, DT)
-            kk = load2(k + i_h * K, tok, m, H * K, o_k, m_k, DT)
+            qq = scale_rows(load2(q + i_h * K, tok, m, H * K, o_k, m_k, DT), rq, NORMS)
+            kk = scale_rows(load2(k + i_h * K, tok, m, H * K, o_k, m_k, DT), rk, NORMS)
             Gm = load2(Gam + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
             Gmid = tl.load(p_mid + o_k, mask=m_k, other=0.0).to(DT)
             daq, dak, dbk, dbeta_kk = anchored_bwd(qq, kk, Gm, Gmid, dMqk, dMkk, beta, tok, m, i_hv, HV, scale, BT,
@@ -273,12 +282,14 @@ def chunk_bwd_dqk(
     scale: float,
     slots: SlotRows,
     prec: str,
+    norms: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dg [T, HV, K], dbeta [T, HV])`` per value head, in the compute dtype (``Gl``'s).
 
     Prepared ``q, k [T, H, K]`` and ``beta [T, HV]``; ``Gam, dMqk, dMkk, dKt, dbeta_partial`` from stage 3a;
     ``Gl [NC, HV, K]``, ``Hin [NC, HV, K, V]``, ``E [T, HV, V]`` from the recomputed forward; ``dS' [NC, HV, K, V]``
-    from the reverse scan. dq and dk are per value head: the caller sums a group's heads.
+    from the reverse scan. dq and dk are per value head: the caller sums a group's heads. ``norms [2, T, H]``
+    (optional): the l2norm factors of q's and k's rows, with ``q, k`` raw (normalised as they load).
     """
     T, H, K = q.shape
     HV = Gam.shape[1]
@@ -291,12 +302,14 @@ def chunk_bwd_dqk(
     dbeta = q.new_empty(T, HV, dtype=dt)
     flag = q.new_empty(NC, HV, dtype=torch.int8)
     poison(dq, dk, dg, dbeta)
+    nq, nk = (None, None) if norms is None else (norms[0], norms[1])
     for blocks in (False, True):
         chunk_bwd_dqk_kernel[(NC, HV)](
-            contiguous(q), contiguous(k), Gam, Gl, contiguous(beta), dMqk, dMkk, dKt, Hin, contiguous(E), dSp,
-            contiguous(dO), dbeta_partial, dq, dk, dg, dbeta, flag, slots.start, slots.count, float(scale), H, HV,
+            contiguous(q), contiguous(k), nq, nk, Gam, Gl, contiguous(beta), dMqk, dMkk, dKt, Hin, contiguous(E),
+            dSp, contiguous(dO), dbeta_partial, dq, dk, dg, dbeta, flag, slots.start, slots.count, float(scale), H, HV,
             K=K, V=V, NB=NB, BC=BC, BT=BT, PREC=prec, PREC_OH=exact_bf16(prec, dO, Hin),
             PREC_ED=exact_bf16(prec, E, dSp), DT=compute_dtype(Gl), ASPAN=ANCHOR_SPAN, BLOCKS=blocks,
+            NORMS=norms is not None,
             **launch("dqk_blocks" if blocks else "dqk", BK=K, BV=V),
         )  # fmt: skip
     return dq, dk, dg, dbeta

@@ -30,6 +30,8 @@ from kda_ops.triton.chunk_common import (
     launch,
     load2,
     mm,
+    row_factors,
+    scale_rows,
     slot_rows,
     store2,
 )
@@ -39,9 +41,9 @@ from kda_ops.varlen import SlotRows
 
 @triton.jit
 def chunk_bwd_dv_kernel(
-    k, v, g, beta, Tm, Hin, E, dE, dO, dv, dbeta, dMqk, dMkk, dKt, Gam, slot_start, slot_count, H, HV,
+    k, Nk, v, g, beta, Tm, Hin, E, dE, dO, dv, dbeta, dMqk, dMkk, dKt, Gam, slot_start, slot_count, H, HV,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    PREC: tl.constexpr, PREC_T: tl.constexpr, PREC_OE: tl.constexpr, DT: tl.constexpr,
+    PREC: tl.constexpr, PREC_T: tl.constexpr, PREC_OE: tl.constexpr, DT: tl.constexpr, NORMS: tl.constexpr,
 ):  # fmt: skip
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -52,6 +54,7 @@ def chunk_bwd_dv_kernel(
     m_c = col_mask(cols, BT, BT)
     TmT = tl.trans(load2(Tm + i_hv * BT, tok, m, HV * BT, cols, m_c, DT))  # [BT, BT]
     b = tl.load(beta + tok * HV + i_hv, mask=m, other=0.0).to(DT)  # [BT]
+    rk = row_factors(Nk, tok, m, i_h, H, DT, NORMS)  # the l2norm factors of the chunk's k rows (or 1.0)
     dA = tl.zeros((BT, BT), dtype=DT)
     dT = tl.zeros((BT, BT), dtype=DT)
     db = tl.zeros((BT,), dtype=DT)
@@ -73,7 +76,7 @@ def chunk_bwd_dv_kernel(
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = col_mask(o_k, K, BK)
-        kk = load2(k + i_h * K, tok, m, H * K, o_k, m_k, DT)  # [BT, BK]
+        kk = scale_rows(load2(k + i_h * K, tok, m, H * K, o_k, m_k, DT), rk, NORMS)  # [BT, BK]
         Gm = tl.cumsum(load2(g + i_hv * K, tok, m, HV * K, o_k, m_k, DT), axis=0)
         store2(Gam + i_hv * K, tok, m, HV * K, o_k, m_k, Gm)
         Kt = kk * tl.exp(Gm)
@@ -112,6 +115,7 @@ def chunk_bwd_dv(
     prec_t: str,
     dv_dtype: torch.dtype | None = None,
     store: torch.dtype | None = None,
+    norms: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dv [T, HV, V], dbeta [T, HV] partial, dMqk, dMkk [T, HV, BT], dKt [T, HV, K], Gam [T, HV, K])``.
 
@@ -126,6 +130,9 @@ def chunk_bwd_dv(
     21.39 ms, 4.59 GB, errors unchanged; bf16 ``dMqk, dMkk`` 21.08 ms, dq 2.51e-3 -> 3.01e-3; all three 21.00 ms,
     4.32 GB, dq 3.01e-3, dk 2.91e-3, dv 2.45e-3, dg 2.37e-3, dbeta 2.47e-3 (fla-core 0.6.0: 3.36e-3, 3.27e-3,
     3.36e-3, 3.23e-3, 3.76e-3).
+
+    ``norms [2, T, H]`` (optional): the l2norm factors of q's and k's rows, with ``k`` raw: the kernel forms the
+    normalised ``k`` as it loads it (:func:`~kda_ops.triton.chunk_common.row_factors`).
     """
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
@@ -139,10 +146,10 @@ def chunk_bwd_dv(
     Gam = v.new_empty(T, HV, K, dtype=dt)
     poison(dv, dbeta, dMqk, dMkk, dKt, Gam)
     chunk_bwd_dv_kernel[(NC, HV)](
-        contiguous(k), contiguous(v), contiguous(g), contiguous(beta), contiguous(Tm), Hin, contiguous(E),
-        contiguous(dE), contiguous(dO), dv, dbeta, dMqk, dMkk, dKt, Gam, slots.start, slots.count, H, HV,
-        K=K, V=V, BT=BT, PREC=prec, PREC_T=prec_t, PREC_OE=exact_bf16(prec, dO, E), DT=compute_dtype(Tm),
-        **launch("dv", BK=K, BV=V),
+        contiguous(k), None if norms is None else norms[1], contiguous(v), contiguous(g), contiguous(beta),
+        contiguous(Tm), Hin, contiguous(E), contiguous(dE), contiguous(dO), dv, dbeta, dMqk, dMkk, dKt, Gam,
+        slots.start, slots.count, H, HV, K=K, V=V, BT=BT, PREC=prec, PREC_T=prec_t, PREC_OE=exact_bf16(prec, dO, E),
+        DT=compute_dtype(Tm), NORMS=norms is not None, **launch("dv", BK=K, BV=V),
     )  # fmt: skip
     return dv, dbeta, dMqk, dMkk, dKt, Gam
 

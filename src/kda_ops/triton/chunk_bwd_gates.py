@@ -2,8 +2,9 @@
 :mod:`kda_ops.triton.l2norm`): applied before the backward kernels, and their gradients chained after them
 (``backward.md``, "Option gradients").
 
-The backward kernels work on *prepared* tensors (l2-normalised q and k, the log decay g, the transformed beta, all
-in the compute dtype), so one set of kernels serves every option. These are elementwise and row-wise torch ops on
+The backward kernels work on *prepared* tensors (the log decay g and the transformed beta in the compute dtype; q
+and k as given, with the factors of their l2norm, which the kernels apply as they load them), so one set of kernels
+serves every option. These are elementwise and row-wise torch ops on
 the device: no host synchronisation, shapes from the inputs only. (``kda_ops.reference.gates`` holds the same
 math for the oracle; ``kda_ops.triton`` never imports the reference, so it is written out here.)
 """
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kda_ops.common import Options
-from kda_ops.triton.l2norm import l2norm, l2norm_bwd
+from kda_ops.triton.l2norm import l2norm_bwd, l2norm_factors
 
 
 def _gate_args(x: Tensor, A_log: Tensor | None, dt_bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
@@ -29,11 +30,18 @@ def _gate_args(x: Tensor, A_log: Tensor | None, dt_bias: Tensor | None) -> tuple
 def prepare(
     q: Tensor, k: Tensor, g: Tensor, beta: Tensor, A_log: Tensor | None, dt_bias: Tensor | None, opts: Options,
     dtype: torch.dtype,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """``(q, k, g, beta)`` after the options, in ``dtype`` (any leading shape; q, k ``[..., H, K]``)."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:  # fmt: skip
+    """``(q, k, g, beta, norms)`` after the options (any leading shape; q, k ``[..., H, K]``): ``g`` and ``beta`` in
+    ``dtype``, ``q`` and ``k`` as given (the kernels convert them as they load them). With the l2norm, ``norms [2,
+    ..., H]`` in ``dtype`` holds the factors of q's rows and of k's (``l2norm_factors``: ``q * norms[0]`` is the
+    l2-normalised q exactly), else None.
+
+    The factors replace a normalised copy of q and k in the compute dtype (one pass writing ``[T, H, K]`` fp32 each,
+    read again by the recompute, the dv and the dq/dk stages): the kernels form ``x r`` as they load ``x``."""
+    norms = None
     if opts.use_qk_l2norm:
-        q, k = l2norm(q, dtype), l2norm(k, dtype)  # one pass each (kda_ops.triton.l2norm)
-    q, k, g, beta = q.to(dtype), k.to(dtype), g.to(dtype), beta.to(dtype)
+        norms = torch.stack((l2norm_factors(q, dtype), l2norm_factors(k, dtype)))
+    g, beta = g.to(dtype), beta.to(dtype)
     if opts.use_gate:
         z0, a = _gate_args(g, A_log, dt_bias)
         if opts.lower_bound is None:
@@ -45,7 +53,7 @@ def prepare(
         beta = torch.sigmoid(beta)
     if opts.allow_neg_eigval:
         beta = beta * 2
-    return q, k, g, beta
+    return q, k, g, beta, norms
 
 
 def prepare_bwd(

@@ -79,11 +79,13 @@ def chunk_bwd_recompute(
     slots: SlotRows,
     precision: Precision,
     offsets: Tensor | None = None,
+    norms: Tensor | None = None,
 ) -> Recomputed:
     """Prepared ``q, k [T, H, K]``, ``v [T, HV, V]``, log decay ``g [T, HV, K]``, ``beta [T, HV]``; ``h0`` in the
-    compute dtype or None; ``cu`` the sanitized flat ``cu_seqlens`` and ``slots`` its chunk map."""
+    compute dtype or None; ``cu`` the sanitized flat ``cu_seqlens`` and ``slots`` its chunk map; ``norms [2, T, H]``
+    the l2norm factors of q and k (raw then) or None."""
     Mqk, W, U, Qt, Kend, Gl, Tm, _ = chunk_prepare(q, k, v, g, beta, scale, slots, None, None, _NO_OPTIONS, precision,
-                                                store_tm=True)
+                                                store_tm=True, norms=norms)
     assert Tm is not None
     Hin, E = chunk_state(W, U, Kend, Gl, h0, cu, precision, store_states=True, offsets=offsets)
     assert Hin is not None and E is not None

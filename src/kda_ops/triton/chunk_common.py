@@ -236,6 +236,13 @@ def load2(ptr, tok, m, stride, o_k, m_k, DT: tl.constexpr):
 
 
 @triton.jit
+def load2n(ptr, Nx, tok, m, stride, o_k, m_k, i_h, H, DT: tl.constexpr, NORMS: tl.constexpr):
+    """:func:`load2` of q or k rows (``ptr`` at the head), times their l2norm factors ``Nx[tok, i_h]`` (``[T, H]``)
+    when ``NORMS``: ``x r`` in ``DT``, the product the l2norm pass would have stored."""
+    return scale_rows(load2(ptr, tok, m, stride, o_k, m_k, DT), row_factors(Nx, tok, m, i_h, H, DT, NORMS), NORMS)
+
+
+@triton.jit
 def tile2(ptr, tok, m, stride, o_k, m_k):
     """``x[tok, o_k]`` as ``[BT, BK]`` in its stored dtype (0 outside the masks): a product operand as loaded."""
     return tl.load(ptr + tok[:, None] * stride + o_k[None, :], mask=m[:, None] & m_k[None, :], other=0.0)

@@ -210,6 +210,15 @@ def qk_norms(q, k, tok, m, i_h, H, K: tl.constexpr, BK: tl.constexpr, BT: tl.con
 
 
 @triton.jit
+def given_norms(Rqk, tok, m, i_h, H, T):
+    """The l2norm factors of the chunk's q and k rows, ``[BT, 1]``, read from ``Rqk [2, T, H]`` (computed before the
+    kernel, ``kda_ops.triton.l2norm.l2norm_factors``)."""
+    rq = tl.load(Rqk + tok * H + i_h, mask=m, other=0.0)
+    rk = tl.load(Rqk + (T + tok) * H + i_h, mask=m, other=0.0)
+    return rq[:, None], rk[:, None]
+
+
+@triton.jit
 def intra_masks(Mqk, Mkk, beta, BT: tl.constexpr):
     """The causal masks (with the diagonal for Mqk, strictly below it for Mkk) and beta_i on Mkk's rows."""
     rows = tl.arange(0, BT)[:, None]
@@ -320,6 +329,7 @@ __all__ = [
     "key_loads",
     "key_tile",
     "on_diagonal",
+    "given_norms",
     "qk_norms",
     "row_span",
 ]

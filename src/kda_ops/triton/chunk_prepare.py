@@ -46,6 +46,7 @@ from kda_ops.triton.chunk_common import (
 )
 from kda_ops.triton.chunk_cumsum import gate_flags
 from kda_ops.triton.chunk_intra import (
+    given_norms,
     intra_anchored,
     intra_blocks,
     intra_masks,
@@ -82,12 +83,13 @@ def solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, Tm, tok, m, i_hv, HV, K: tl.
 
 @triton.jit
 def chunk_prepare_kernel(
-    q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm, slot_start, slot_count, scale,
+    q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm, Rqk, slot_start, slot_count, scale,
     lower_bound, H, HV, T, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
     BC: tl.constexpr, BT: tl.constexpr, USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr,
     USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
     PREC_INTRA: tl.constexpr, PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr, DT: tl.constexpr,
     STORE_TM: tl.constexpr, ASPAN: tl.constexpr, FOLD: tl.constexpr, PREFETCH: tl.constexpr,
+    GIVEN_NORMS: tl.constexpr,
 ):  # fmt: skip
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -99,6 +101,8 @@ def chunk_prepare_kernel(
         rk = 1.0
         ssq = tl.zeros((BT,), dtype=DT)
         ssk = tl.zeros((BT,), dtype=DT)
+    elif GIVEN_NORMS:
+        rq, rk = given_norms(Rqk, tok, m, i_h, H, T)
     else:
         rq, rk = qk_norms(q, k, tok, m, i_h, H, K, BK, BT, USE_L2NORM, DT)
     # stages 1-2: decays, Qt, Kend, Gam_last (stored) and Mqk, Mkk (registers), anchored at the middle row
@@ -143,12 +147,13 @@ def chunk_prepare_kernel(
 
 @triton.jit
 def chunk_prepare_blocks_kernel(
-    q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm, slot_start, slot_count, scale,
+    q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm, Rqk, slot_start, slot_count, scale,
     lower_bound, H, HV, T, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
     BC: tl.constexpr, BT: tl.constexpr, USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr,
     USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
     PREC_INTRA: tl.constexpr, PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr, DT: tl.constexpr,
     STORE_TM: tl.constexpr, SPAN: tl.constexpr, CHECK_FLAG: tl.constexpr, FOLD: tl.constexpr,
+    GIVEN_NORMS: tl.constexpr,
 ):  # fmt: skip
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -158,7 +163,10 @@ def chunk_prepare_blocks_kernel(
     if CHECK_FLAG:
         if tl.load(Flag + i_c.to(tl.int64) * HV + i_hv) == 0:
             return
-    rq, rk = qk_norms(q, k, tok, m, i_h, H, K, BK, BT, USE_L2NORM, DT)
+    if GIVEN_NORMS:
+        rq, rk = given_norms(Rqk, tok, m, i_h, H, T)
+    else:
+        rq, rk = qk_norms(q, k, tok, m, i_h, H, K, BK, BT, USE_L2NORM, DT)
     Mqk2 = tl.zeros((BT, BT), dtype=DT)
     Mkk2 = tl.zeros((BT, BT), dtype=DT)
     for i_k in range(tl.cdiv(K, BK)):
@@ -204,6 +212,7 @@ def chunk_prepare(
     opts: Options,
     precision: Precision,
     store_tm: bool = False,
+    norms: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """``(Mqk, W, U, Qt, Kend, Gam_last, Tm, Nrm)`` of every chunk slot, from the flat token stream.
 
@@ -214,6 +223,9 @@ def chunk_prepare(
     ``Nrm [2, T, HV]`` (compute dtype) when the l2norm is folded (:data:`FOLD_NORMS`, l2norm asked, anchored path
     tried), else None: ``Qt`` and ``Kend`` are then stored without the l2norm factors of their rows, ``Nrm[0]`` (of
     q) and ``Nrm[1]`` (of k); ``Mqk``, ``W``, ``U`` are complete either way.
+
+    ``norms [2, T, H]`` (compute dtype; the backward's recompute): the l2norm factors of q's and k's rows, applied as
+    the tiles load (``q * norms[0]`` is the l2-normalised q); the options must not ask for the l2norm as well.
     """
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
@@ -227,19 +239,21 @@ def chunk_prepare(
     U = v.new_empty(T, HV, V, dtype=store)
     Gl = q.new_empty(NC, HV, K, dtype=state_dtype(v))
     Flag = q.new_empty(NC, HV, dtype=torch.int32)
+    assert norms is None or not opts.use_qk_l2norm, "chunk_prepare: l2norm factors given and asked"
     anchored = anchored_path_usable(opts)
     fold = FOLD_NORMS and anchored and opts.use_qk_l2norm
     Nrm = q.new_empty(2, T, HV, dtype=state_dtype(v)) if fold else None
     poison(Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm)
     args = (
         contiguous(q), contiguous(k), contiguous(v), contiguous(g), contiguous(beta), A_log, dt_bias,
-        Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm, slots.start, slots.count, float(scale),
+        Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm, norms, slots.start, slots.count, float(scale),
         0.0 if opts.lower_bound is None else float(opts.lower_bound), H, HV, T,
     )  # fmt: skip
     meta = dict(
         K=K, V=V, NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm,
         BETA_SIGMOID=opts.use_beta_sigmoid, NEG_EIGVAL=opts.allow_neg_eigval, PREC_INTRA=precision.intra,
         PREC_SOLVE=precision.solve, PREC_WY=precision.wy, DT=compute_dtype(v), STORE_TM=store_tm,
+        GIVEN_NORMS=norms is not None,
         **gate_flags(opts, A_log, dt_bias),
     )  # fmt: skip
     if anchored:
