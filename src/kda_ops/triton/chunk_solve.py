@@ -98,15 +98,19 @@ def wy_stored(Tb, v, W, U, tok, m, i_hv, HV, K: tl.constexpr, V: tl.constexpr, B
     tl.debug_barrier()  # every thread's Kt stores before any thread's loads
     o_k = tl.arange(0, BK)
     Kt = tile2(W + i_hv * K, tok, m, HV * K, o_k, col_mask(o_k, K, BK))
-    for i_k in range(NK):
+    for i_k in range(NK - 1):
         o_n = (i_k + 1) * BK + tl.arange(0, BK)
-        Kt_n = tile2(W + i_hv * K, tok, m, HV * K, o_n, o_n < tl.where(i_k + 1 < NK, K, 0))
+        Kt_n = tile2(W + i_hv * K, tok, m, HV * K, o_n, col_mask(o_n, K, BK))
         tl.debug_barrier()  # every thread's loads of this tile before any thread's stores
         o_k = i_k * BK + tl.arange(0, BK)
         store2(W + i_hv * K, tok, m, HV * K, o_k, col_mask(o_k, K, BK), mm(Tb, scale_rows(Kt, nk, FOLD), PREC, DT))
         Kt = Kt_n
+    # the last key tile: the first value tile loads before its store (the next step's load, as above)
     o_v = tl.arange(0, BV)
     vv = tile2(v + i_hv * V, tok, m, HV * V, o_v, col_mask(o_v, V, BV))
+    tl.debug_barrier()
+    o_k = (NK - 1) * BK + tl.arange(0, BK)
+    store2(W + i_hv * K, tok, m, HV * K, o_k, col_mask(o_k, K, BK), mm(Tb, scale_rows(Kt, nk, FOLD), PREC, DT))
     for i_v in range(NV):
         o_n = (i_v + 1) * BV + tl.arange(0, BV)
         vv_n = tile2(v + i_hv * V, tok, m, HV * V, o_n, o_n < tl.where(i_v + 1 < NV, V, 0))
