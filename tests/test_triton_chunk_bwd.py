@@ -298,6 +298,67 @@ def test_autograd_matches_naive(option: str, gates: str, HV: int) -> None:
     assert_rel(h0.grad, h0d.grad, 2e-4, "dh0")
 
 
+@pytest.mark.parametrize(("option", "dtype", "packed"), [("all", torch.float32, True), ("plain", torch.float16, False)])
+def test_training_pair_keeps_what_the_recompute_makes(option: str, dtype: torch.dtype, packed: bool) -> None:
+    """``kda::chunk_train`` + ``kda::chunk_bwd_saved`` (the default where autograd records a call) against
+    ``kda::chunk`` + ``kda::chunk_bwd`` (``recompute_in_backward=True``): the same gradients bit for bit (the
+    saved factors are the recompute's), outputs equal to rounding; the saved factors have the fake's shapes and
+    dtypes; the op fails clearly where the Triton kernels do not run."""
+    c = _case(option, "reset", dtype, 2, packed)
+    x = c["x"]
+    gen = torch.Generator().manual_seed(5)
+    do = torch.randn(x["v"].shape, generator=gen).to(dtype)
+    dht = torch.randn(c["h0"].shape, generator=gen)
+    runs = []
+    for recompute in (False, True):
+        xs = {n: t.clone().requires_grad_() for n, t in x.items()}
+        h0 = c["h0"].clone().requires_grad_()
+        o, s = kda_ops.chunk_kda(**xs, initial_state=h0, output_final_state=True, cu_seqlens=c["cu"], scale=0.3,
+                                 recompute_in_backward=recompute, **c["call"])  # fmt: skip
+        assert s is not None
+        ((o.float() * do.float()).sum() + (s * dht).sum()).backward()
+        runs.append((o.detach(), s.detach(), {n: t.grad for n, t in xs.items()}, h0.grad))
+    (o1, s1, g1, h1), (o2, s2, g2, h2) = runs
+    xd = {n: t.double() for n, t in x.items()}
+    o_r, s_r = naive_recurrent_kda(**xd, initial_state=c["h0"].double(), output_final_state=True,
+                                   cu_seqlens=c["cu"], scale=0.3, **c["call"])  # fmt: skip
+    assert s_r is not None
+    tol = 2e-3 if dtype == torch.float16 else 1e-5
+    assert_rel(o1, o_r, tol, "o")
+    assert_rel(s1, s_r, tol, "final_state")
+    for name in g1:
+        assert g1[name] is not None and g2[name] is not None, name
+        assert torch.equal(g1[name], g2[name]), name
+    assert h1 is not None and h2 is not None and torch.equal(h1, h2)
+    # the real outputs against the fake function's
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.3, c["h0"], c["cu"], x.get("A_log"), x.get("dt_bias"),
+            c["opts"].lower_bound, True, c["opts"].use_qk_l2norm, c["opts"].use_gate, c["opts"].use_beta_sigmoid,
+            c["opts"].allow_neg_eigval)  # fmt: skip
+    real = ops.chunk_train(*args)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = ops.chunk_train(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    assert [(t.shape, t.dtype) for t in real] == [(t.shape, t.dtype) for t in fake]
+    with ops.cpu_backend("reference"), pytest.raises(NotImplementedError, match="kda::chunk_train runs only"):
+        ops.chunk_train(*args)
+
+
+def test_opcheck_training_pair() -> None:
+    """``torch.library.opcheck`` of ``kda::chunk_train`` (inputs requiring grad: its autograd) and of
+    ``kda::chunk_bwd_saved`` on the factors it kept, under the interpreter."""
+    c = _case("all", "normal", torch.float32, 2, packed=False)
+    x = {n: t.requires_grad_() for n, t in c["x"].items()}
+    h0 = c["h0"].requires_grad_()
+    o = c["opts"]
+    flags = (o.use_qk_l2norm, o.use_gate, o.use_beta_sigmoid, o.allow_neg_eigval)
+    inputs = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.3, h0, None, x.get("A_log"), x.get("dt_bias"))
+    torch.library.opcheck(ops.chunk_train, (*inputs, o.lower_bound, True, *flags))
+    with torch.no_grad():
+        out = ops.chunk_train(*inputs, o.lower_bound, True, *flags)
+    do, dht = torch.randn_like(out[0]), torch.randn_like(out[1])
+    plain = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in inputs)
+    torch.library.opcheck(ops.chunk_bwd_saved, (do, dht, *plain, *out[2:], o.lower_bound, *flags))
+
+
 @pytest.mark.parametrize("K", [64, 100])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_l2norm_and_its_gradient(K: int, dtype: torch.dtype) -> None:

@@ -19,6 +19,12 @@ Schemas (``torch.ops.kda.*``)::
               bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval)
         -> (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)
     recurrent_bwd(...)                  same schema as chunk_bwd
+    chunk_train(...)                    chunk's schema -> (o, final_state, Mqk, Qt, Kend, Gam_last, Tm, W, Hin, E,
+                                        norms): the forward of a training step, keeping the factors its backward
+                                        reads (Triton kernels only); differentiable in o and final_state
+    chunk_bwd_saved(do, Tensor? dht, q, k, v, g, beta, float scale, Tensor? initial_state, Tensor? cu_seqlens,
+                    Tensor? A_log, Tensor? dt_bias, Mqk, Qt, Kend, Gam_last, Tm, W, Hin, E, norms,
+                    float? lower_bound, bool x 4) -> (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)
     recurrent_update_(q, k, v, g, beta, Tensor(a!) state_pool, Tensor state_indices, float scale,
                       Tensor? cu_seqlens, Tensor? A_log, Tensor? dt_bias, float? lower_bound,
                       bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel,
@@ -41,10 +47,15 @@ import torch
 from torch import Tensor
 
 from kda_ops import reference
-from kda_ops.common import Options, backward_outputs, forward_outputs
+from kda_ops.common import Options, backward_outputs, forward_outputs, num_sequences, state_dtype
 
 # Ops with a Triton kernel: it runs on the CPU under the "triton" CPU backend (the interpreter tests).
-TRITON_KERNELS: frozenset[str] = frozenset({"chunk", "chunk_bwd", "recurrent", "recurrent_bwd", "recurrent_update_"})
+TRITON_KERNELS: frozenset[str] = frozenset(
+    {"chunk", "chunk_bwd", "chunk_train", "chunk_bwd_saved", "recurrent", "recurrent_bwd", "recurrent_update_"}
+)
+# Ops that have no reference kernel: the training pair keeps the Triton pipeline's own factors between forward and
+# backward, so it runs only where the Triton kernels do (:func:`kda_ops.api.chunk_kda` calls it only there).
+TRITON_ONLY: frozenset[str] = frozenset({"chunk_train", "chunk_bwd_saved"})
 # Ops whose Triton kernel has passed the GPU test suite on the H200 and so runs on CUDA by default: all of them
 # since 2026-11-29 (tests/gpu: chunk 51 + 17 passed, recurrent 32). A kernel added later stays out of this set,
 # and CUDA calls of its op take the reference, until it passes; `cuda_triton(...)` or KDA_OPS_CUDA_TRITON=<op>
@@ -89,6 +100,16 @@ def uses_triton(op: str, device: torch.device) -> bool:
     if device.type == "cuda":
         return op in _cuda_triton
     return device.type == "cpu" and _cpu_backend == "triton"
+
+
+def _triton_only(op: str, device: torch.device) -> Callable[..., Any]:
+    """The Triton kernel of an op of :data:`TRITON_ONLY`, or a clear error where the Triton kernels do not run."""
+    if not uses_triton(op, device):
+        raise NotImplementedError(
+            f"kda::{op} runs only where the Triton kernels run (not on {device} here); call kda::chunk, whose "
+            "backward recomputes the factors"
+        )
+    return _triton_kernel(op)
 
 
 def _triton_kernel(op: str) -> Callable[..., Any]:
@@ -284,6 +305,124 @@ chunk_bwd = _backward("chunk_bwd", _reference_bwd)
 recurrent_bwd = _backward("recurrent_bwd", _reference_bwd)
 
 
+# ------------------------------------------------------------------------------------------ training pair
+
+# kda::chunk_train returns the Triton pipeline's per-chunk factors beside (o, final_state), and its backward
+# kda::chunk_bwd_saved reads them instead of running the forward's kernels again (docs/architecture.md, "Chunk
+# backward: what is saved"). custom_op: a training step pays its Python wrappers once per layer, not per token.
+_Out11 = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+
+
+@torch.library.custom_op("kda::chunk_train", mutates_args=())
+def chunk_train(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    lower_bound: Optional[float],
+    output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool,
+    use_gate_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool,
+    allow_neg_eigval: bool,
+) -> _Out11:
+    opts = _options(
+        lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval
+    )
+    kernel = _triton_only("chunk_train", q.device)
+    out: _Out11 = kernel(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts, output_final_state)
+    return out
+
+
+@chunk_train.register_fake
+def _(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    lower_bound: Optional[float],
+    output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool,
+    *rest: bool,
+) -> _Out11:
+    from kda_ops.triton.chunk_bwd_recompute import recomputed_empty  # the op runs only where triton does
+
+    o, final = forward_outputs(q, v, cu_seqlens, output_final_state)
+    fw = recomputed_empty(q, v, num_sequences(q, cu_seqlens))
+    B, T, H = q.shape[:3]
+    norms = q.new_empty(2, B * T, H, dtype=state_dtype(v)) if use_qk_l2norm_in_kernel else q.new_empty(0)
+    return (o, final, fw.Mqk, fw.Qt, fw.Kend, fw.Gl, fw.Tm, fw.W, fw.Hin, fw.E, norms)
+
+
+@torch.library.custom_op("kda::chunk_bwd_saved", mutates_args=())
+def chunk_bwd_saved(
+    do: Tensor,
+    dht: Optional[Tensor],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    Mqk: Tensor,
+    Qt: Tensor,
+    Kend: Tensor,
+    Gam_last: Tensor,
+    Tm: Tensor,
+    W: Tensor,
+    Hin: Tensor,
+    E: Tensor,
+    norms: Tensor,
+    lower_bound: Optional[float],
+    use_qk_l2norm_in_kernel: bool,
+    use_gate_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool,
+    allow_neg_eigval: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    opts = _options(
+        lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval
+    )
+    kernel = _triton_only("chunk_bwd_saved", q.device)
+    saved = (Mqk, Qt, Kend, Gam_last, Tm, W, Hin, E, norms)
+    grads = kernel(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts, saved)
+    return tuple(q.new_empty(0) if x is None else x for x in grads)  # type: ignore[return-value]
+
+
+@chunk_bwd_saved.register_fake
+def _(
+    do: Tensor,
+    dht: Optional[Tensor],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    *rest: Any,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return backward_outputs(q, k, v, g, beta, initial_state, A_log, dt_bias)
+
+
 # ----------------------------------------------------------------------------------------------- serving
 
 # The serving step is defined with the low-level Library API rather than custom_op: custom_op wraps a mutating op
@@ -357,17 +496,25 @@ _TENSOR_INPUTS = ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens", "A_
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     (q, k, v, g, beta, scale, h0, cu, A_log, dt_bias, lower_bound, _out_final, *flags) = inputs
-    ctx.save_for_backward(q, k, v, g, beta, h0, cu, A_log, dt_bias)
+    kept = tuple(output[2:])  # kda::chunk_train's factors (none for the other forward ops)
+    ctx.save_for_backward(q, k, v, g, beta, h0, cu, A_log, dt_bias, *kept)
+    if kept:
+        ctx.mark_non_differentiable(*kept)
+    # no zero-filled gradients for outputs the loss does not use: the kept factors never get one (zeros of their
+    # size: 0.6 ms and 2.1 GB at T = 32k, H = 32 on the H200), nor does the final state in most losses
+    ctx.set_materialize_grads(False)
     ctx.scale, ctx.lower_bound, ctx.flags = scale, lower_bound, flags
 
 
 def _autograd(bwd_op: Any) -> Callable[..., tuple[Optional[Tensor], ...]]:
-    def backward(ctx: Any, do: Tensor, dht: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
-        q, k, v, g, beta, h0, cu, A_log, dt_bias = ctx.saved_tensors
+    def backward(ctx: Any, do: Optional[Tensor], dht: Optional[Tensor], *_kept: Any) -> tuple[Optional[Tensor], ...]:
+        q, k, v, g, beta, h0, cu, A_log, dt_bias, *kept = ctx.saved_tensors
+        if do is None:  # only the final state reached the loss (o is shaped and typed as v)
+            do = torch.zeros_like(v)
         if dht is not None and dht.numel() == 0:
             dht = None
         dq, dk, dv, dg, dbeta, dh0, dA, ddt = bwd_op(
-            do, dht, q, k, v, g, beta, ctx.scale, h0, cu, A_log, dt_bias, ctx.lower_bound, *ctx.flags
+            do, dht, q, k, v, g, beta, ctx.scale, h0, cu, A_log, dt_bias, *kept, ctx.lower_bound, *ctx.flags
         )
         return (
             dq, dk, dv, dg, dbeta, None,
@@ -383,3 +530,4 @@ def _autograd(bwd_op: Any) -> Callable[..., tuple[Optional[Tensor], ...]]:
 
 torch.library.register_autograd("kda::chunk", _autograd(chunk_bwd), setup_context=_setup_context, lib=_lib)
 torch.library.register_autograd("kda::recurrent", _autograd(recurrent_bwd), setup_context=_setup_context, lib=_lib)
+chunk_train.register_autograd(_autograd(chunk_bwd_saved), setup_context=_setup_context)

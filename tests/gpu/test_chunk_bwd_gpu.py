@@ -130,14 +130,24 @@ def test_opcheck_chunk_with_grad(varlen: bool) -> None:
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.2, h0, cu, x["A_log"], x["dt_bias"], None, True, True, True,
             False, False)  # fmt: skip
     torch.library.opcheck(torch.ops.kda.chunk.default, args)
+    # the training pair: the forward that keeps its factors, and the backward that reads them
+    torch.library.opcheck(ops.chunk_train, args)
+    with torch.no_grad():
+        out = ops.chunk_train(*args)
+    plain = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in args[:10])
+    flags = args[10:11] + args[12:]
+    do, dht = torch.randn_like(out[0]), torch.randn_like(out[1])
+    torch.library.opcheck(ops.chunk_bwd_saved, (do, dht, *plain, *out[2:], *flags))
 
 
-def test_autograd_through_chunk_kda_matches_oracle() -> None:
-    """The public function's autograd path (kda::chunk -> kda::chunk_bwd on CUDA) against the oracle."""
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
+def test_autograd_through_chunk_kda_matches_oracle(recompute: bool) -> None:
+    """The public function's autograd path on CUDA (kda::chunk_train -> kda::chunk_bwd_saved, or with
+    recompute_in_backward kda::chunk -> kda::chunk_bwd) against the oracle."""
     x = make_inputs(1, 700, 2, 64, 64, HV=4, dtype=BF16, device=DEV, beta_logits=True)
     xs = {n: t.clone().requires_grad_() for n, t in x.items()}
     o, s = kda_ops.chunk_kda(**xs, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                             output_final_state=True)  # fmt: skip
+                             output_final_state=True, recompute_in_backward=recompute)  # fmt: skip
     assert s is not None
     do = torch.randn_like(o)
     (o * do).sum().backward()

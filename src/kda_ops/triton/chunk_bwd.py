@@ -19,14 +19,22 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kda_ops.common import Options, state_dtype
+from kda_ops.common import Options, forward_outputs, num_sequences, state_dtype
 from kda_ops.triton.chunk_bwd_dqk import chunk_bwd_dqk
 from kda_ops.triton.chunk_bwd_dv import chunk_bwd_dv
 from kda_ops.triton.chunk_bwd_gates import prepare, prepare_bwd
-from kda_ops.triton.chunk_bwd_recompute import chunk_bwd_recompute, recompute_precision
+from kda_ops.triton.chunk_bwd_recompute import (
+    Recomputed,
+    chunk_bwd_recompute,
+    clear_empty_slots,
+    recompute_precision,
+    recomputed_empty,
+)
 from kda_ops.triton.chunk_bwd_scan import chunk_bwd_scan
 from kda_ops.triton.chunk_common import contiguous, interpreting
 from kda_ops.triton.chunk_map import slot_map
+from kda_ops.triton.chunk_output import chunk_output
+from kda_ops.triton.debug import poison
 from kda_ops.varlen import flat_cu_seqlens
 
 
@@ -65,12 +73,108 @@ def chunk_bwd(
     A_log: Tensor | None,
     dt_bias: Tensor | None,
     opts: Options,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
+) -> Grads:
     """``(dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)``: the signature of ``reference.chunk_bwd``.
 
     Gradients in the dtypes of their inputs (dh0 in the initial state's); None where an input is absent.
-    ``dht`` (``[N, HV, K, V]``, None or empty: zero) is the gradient of the final state.
+    ``dht`` (``[N, HV, K, V]``, None or empty: zero) is the gradient of the final state. The forward's factors are
+    recomputed here (the kernel of ``kda::chunk_bwd``, after ``kda::chunk``, which saves only its inputs).
     """
+    return _gradients(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts, None)
+
+
+def chunk_fwd_train(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    opts: Options,
+    output_final_state: bool,
+) -> tuple[Tensor, ...]:
+    """The kernel of ``kda::chunk_train``: ``(o, final_state, Mqk, Qt, Kend, Gam_last, Tm, W, Hin, E, norms)``.
+
+    The forward of a training step that keeps what the backward reads (``docs/architecture.md``, "Chunk backward:
+    what is saved"): the backward's own recompute (:func:`chunk_bwd_recompute`: the prepared inputs, the fused
+    prepare kernel with ``Tm`` stored, the scan keeping ``Hin`` and ``E``) and the output stage on its factors.
+    ``norms`` is ``[2, B*T, H]`` with the l2norm in kernel, else ``(0,)``. Same ``o`` and final state as
+    :func:`~kda_ops.triton.chunk.chunk_fwd` up to rounding (the factors are formed from prepared inputs).
+    """
+    B, T = q.shape[:2]
+    dt = state_dtype(v)
+    o, final = forward_outputs(q, v, cu_seqlens, output_final_state)
+    N = num_sequences(q, cu_seqlens)
+    h0 = None if initial_state is None else contiguous(initial_state.to(dt))
+    if B * T == 0:
+        if output_final_state and h0 is not None:
+            final.copy_(h0)
+        elif output_final_state:
+            final.zero_()
+        fw = recomputed_empty(q, v, N)
+        norms_0 = q.new_empty(2, 0, q.shape[2], dtype=dt) if opts.use_qk_l2norm else q.new_empty(0)
+        return (o, final, *_fields(fw), norms_0)
+    qf, kf, vf, gf, bf = (contiguous(x).flatten(0, 1) for x in (q, k, v, g, beta))
+    qp, kp, gp, bp, norms = prepare(qf, kf, gf, bf, A_log, dt_bias, opts, dt)
+    slots = slot_map(cu_seqlens, B, T, v.device)
+    rp = recompute_precision(v.dtype)
+    poison(o, final)
+    fw = chunk_bwd_recompute(qp, kp, vf, gp, bp, scale, h0, slots.cu, slots, rp, slots.offset, norms,
+                             final=final if output_final_state else None)  # fmt: skip
+    clear_empty_slots(fw, slots)
+    chunk_output(fw.Qt, fw.Mqk, fw.Hin, fw.E, slots, rp, o.dtype, out=o.view(B * T, *o.shape[2:]))
+    return (o, final, *_fields(fw), q.new_empty(0) if norms is None else norms)
+
+
+def chunk_bwd_saved(
+    do: Tensor,
+    dht: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    opts: Options,
+    saved: tuple[Tensor, ...],
+) -> Grads:
+    """The kernel of ``kda::chunk_bwd_saved``: :func:`chunk_bwd` on the factors that :func:`chunk_fwd_train` kept
+    (``saved = (Mqk, Qt, Kend, Gam_last, Tm, W, Hin, E, norms)``) instead of recomputing them."""
+    return _gradients(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts, saved)
+
+
+Grads = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]
+
+
+def _fields(fw: Recomputed) -> tuple[Tensor, ...]:
+    return fw.Mqk, fw.Qt, fw.Kend, fw.Gl, fw.Tm, fw.W, fw.Hin, fw.E
+
+
+def _gradients(
+    do: Tensor,
+    dht: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    opts: Options,
+    saved: tuple[Tensor, ...] | None,
+) -> Grads:
+    """The backward stages on the forward's factors: recomputed when ``saved`` is None, else those given."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dt = state_dtype(v)
@@ -78,7 +182,9 @@ def chunk_bwd(
     if dht is not None and dht.numel() == 0:
         dht = None
     qf, kf, vf, gf, bf = (contiguous(x).flatten(0, 1) for x in (q, k, v, g, beta))
-    qp, kp, gp, bp, norms = prepare(qf, kf, gf, bf, A_log, dt_bias, opts, dt)
+    qp, kp, gp, bp, norms = prepare(qf, kf, gf, bf, A_log, dt_bias, opts, dt, with_norms=saved is None)
+    if saved is not None and opts.use_qk_l2norm:
+        norms = saved[8]
     dO = contiguous(do).flatten(0, 1)
     if B * T == 0:
         N = flat_cu_seqlens(cu_seqlens, B, T, v.device).shape[0] - 1
@@ -91,7 +197,10 @@ def chunk_bwd(
         h0 = None if initial_state is None else contiguous(initial_state.to(dt))
         prec, prec_t = product_precisions(v.dtype)
         rp = recompute_precision(v.dtype)
-        fw = chunk_bwd_recompute(qp, kp, vf, gp, bp, scale, h0, cu, slots, rp, slots.offset, norms)
+        if saved is None:
+            fw = chunk_bwd_recompute(qp, kp, vf, gp, bp, scale, h0, cu, slots, rp, slots.offset, norms)
+        else:
+            fw = Recomputed(*saved[:8])
         dht_c = None if dht is None else dht.to(dt)
         # dS', dMqk, dMkk, dKt through memory in the factors' storage dtype (bf16 for bf16 inputs): each is written
         # once and read once, never carried (chunk_bwd_scan, chunk_bwd_dv)
@@ -99,9 +208,10 @@ def chunk_bwd(
         dE, dSp, dh0_ = chunk_bwd_scan(
             dO, fw.Mqk, fw.Qt, fw.Kend, fw.W, fw.Gl, dht_c, cu, prec, initial_state is not None, slots.offset, store
         )
-        # each intermediate is dropped after its last reader, so that the caching allocator reuses its memory for
-        # the next stage's outputs: Mqk, Qt, Kend and W after the scan, Tm and dE after the dv stage (measured on
-        # the H200 in docs/architecture.md, "Chunk backward: what is saved")
+        # each recomputed intermediate is dropped after its last reader, so that the caching allocator reuses its
+        # memory for the next stage's outputs: Mqk, Qt, Kend and W after the scan, Tm and dE after the dv stage
+        # (measured on the H200 in docs/architecture.md, "Chunk backward: what is saved"); saved ones live on in
+        # the autograd graph until the backward returns
         Tm, Hin, E, Gl = fw.Tm, fw.Hin, fw.E, fw.Gl
         del fw
         dv_t, dbeta_p, dMqk, dMkk, dKt, Gam = chunk_bwd_dv(kp, vf, gp, bp, Tm, Hin, E, dE, dO, slots, prec, prec_t,
@@ -127,4 +237,4 @@ def chunk_bwd(
     )
 
 
-__all__ = ["chunk_bwd", "product_precisions"]
+__all__ = ["chunk_bwd", "chunk_bwd_saved", "chunk_fwd_train", "product_precisions"]

@@ -29,17 +29,17 @@ def _gate_args(x: Tensor, A_log: Tensor | None, dt_bias: Tensor | None) -> tuple
 
 def prepare(
     q: Tensor, k: Tensor, g: Tensor, beta: Tensor, A_log: Tensor | None, dt_bias: Tensor | None, opts: Options,
-    dtype: torch.dtype,
+    dtype: torch.dtype, with_norms: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:  # fmt: skip
     """``(q, k, g, beta, norms)`` after the options (any leading shape; q, k ``[..., H, K]``): ``g`` and ``beta`` in
     ``dtype``, ``q`` and ``k`` as given (the kernels convert them as they load them). With the l2norm, ``norms [2,
     ..., H]`` in ``dtype`` holds the factors of q's rows and of k's (``l2norm_factors``: ``q * norms[0]`` is the
-    l2-normalised q exactly), else None.
+    l2-normalised q exactly), else None; None too without ``with_norms`` (the training forward saved them).
 
     The factors replace a normalised copy of q and k in the compute dtype (one pass writing ``[T, H, K]`` fp32 each,
     read again by the recompute, the dv and the dq/dk stages): the kernels form ``x r`` as they load ``x``."""
     norms = None
-    if opts.use_qk_l2norm:
+    if opts.use_qk_l2norm and with_norms:
         norms = torch.stack((l2norm_factors(q, dtype), l2norm_factors(k, dtype)))
     g, beta = g.to(dtype), beta.to(dtype)
     if opts.use_gate:

@@ -21,13 +21,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
-from kda_ops.common import Options
-from kda_ops.triton.chunk_common import Precision, precision_for
+from kda_ops.common import Options, state_dtype
+from kda_ops.triton.chunk_common import BT, Precision, precision_for
 from kda_ops.triton.chunk_prepare import chunk_prepare
-from kda_ops.triton.chunk_state import chunk_state
-from kda_ops.varlen import SlotRows
+from kda_ops.triton.chunk_state import STATES_IN_STORE_DTYPE, chunk_state
+from kda_ops.varlen import SlotRows, num_chunk_slots
 
 _NO_OPTIONS = Options()
 
@@ -80,16 +82,64 @@ def chunk_bwd_recompute(
     precision: Precision,
     offsets: Tensor | None = None,
     norms: Tensor | None = None,
+    final: Tensor | None = None,
 ) -> Recomputed:
     """Prepared ``q, k [T, H, K]``, ``v [T, HV, V]``, log decay ``g [T, HV, K]``, ``beta [T, HV]``; ``h0`` in the
     compute dtype or None; ``cu`` the sanitized flat ``cu_seqlens`` and ``slots`` its chunk map; ``norms [2, T, H]``
-    the l2norm factors of q and k (raw then) or None."""
+    the l2norm factors of q and k (raw then) or None. Writes the final state into ``final`` when given (the
+    training forward, :func:`~kda_ops.triton.chunk_bwd.chunk_fwd_train`)."""
     Mqk, W, U, Qt, Kend, Gl, Tm, _ = chunk_prepare(q, k, v, g, beta, scale, slots, None, None, _NO_OPTIONS, precision,
                                                 store_tm=True, norms=norms)
     assert Tm is not None
-    Hin, E = chunk_state(W, U, Kend, Gl, h0, cu, precision, store_states=True, offsets=offsets)
+    Hin, E = chunk_state(W, U, Kend, Gl, h0, cu, precision, final=final, store_states=True, offsets=offsets)
     assert Hin is not None and E is not None
     return Recomputed(Mqk, Qt, Kend, Gl, Tm, W, Hin, E)
 
 
-__all__ = ["Recomputed", "chunk_bwd_recompute", "recompute_precision"]
+@triton.jit
+def clear_empty_slots_kernel(Gl, Hin, slot_count, K, KV, BLOCK: tl.constexpr):
+    """Zeros into ``Gl [NC, HV, K]`` and ``Hin [NC, HV, K, V]`` at the slots no chunk uses (``count == 0``), which
+    the stages never write."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    if tl.load(slot_count + i_c) != 0:
+        return
+    base = i_c.to(tl.int64) * tl.num_programs(1) + i_hv
+    o = tl.arange(0, BLOCK)
+    for s in range(0, K, BLOCK):
+        tl.store(Gl + base * K + s + o, tl.zeros([BLOCK], dtype=Gl.dtype.element_ty), mask=s + o < K)
+    for s in range(0, KV, BLOCK):
+        tl.store(Hin + base * KV + s + o, tl.zeros([BLOCK], dtype=Hin.dtype.element_ty), mask=s + o < KV)
+
+
+def clear_empty_slots(fw: Recomputed, slots: SlotRows) -> None:
+    """Make the factors of unused chunk slots zeros: ``kda::chunk_train`` returns them, and an op's outputs are
+    determined by its inputs (``torch.library.opcheck`` compares two calls). One launch of ``NC x HV`` programs,
+    nearly all of which return at once."""
+    NC, HV, K = fw.Gl.shape
+    KV = fw.Hin.shape[2] * fw.Hin.shape[3]
+    clear_empty_slots_kernel[(NC, HV)](fw.Gl, fw.Hin, slots.count, K, KV, BLOCK=1024, num_warps=4)
+
+
+def recomputed_empty(q: Tensor, v: Tensor, N: int) -> Recomputed:
+    """Uninitialised factors with the shapes and dtypes :func:`chunk_bwd_recompute` gives for ``q [B, T, H, K]``,
+    ``v [B, T, HV, V]`` and ``N`` sequences: the fake function of ``kda::chunk_train``'s saved outputs (its tests
+    check the two agree)."""
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    BTt = B * T
+    NC = num_chunk_slots(BTt, N, BT)
+    full = state_dtype(v)
+    store = recompute_precision(v.dtype).store or full
+    states = store if STATES_IN_STORE_DTYPE else full
+
+    def new(*shape: int, dtype: torch.dtype) -> Tensor:
+        return v.new_empty(shape, dtype=dtype)
+
+    return Recomputed(
+        Mqk=new(BTt, HV, BT, dtype=full), Qt=new(BTt, HV, K, dtype=store), Kend=new(BTt, HV, K, dtype=store),
+        Gl=new(NC, HV, K, dtype=full), Tm=new(BTt, HV, BT, dtype=full), W=new(BTt, HV, K, dtype=store),
+        Hin=new(NC, HV, K, V, dtype=states), E=new(BTt, HV, V, dtype=states),
+    )  # fmt: skip
+
+
+__all__ = ["Recomputed", "chunk_bwd_recompute", "clear_empty_slots", "recompute_precision", "recomputed_empty"]
