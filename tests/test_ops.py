@@ -106,6 +106,29 @@ def test_gradcheck(schedule: str, varlen: bool) -> None:
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
+def test_backward_from_one_output_alone(schedule: str) -> None:
+    """A loss of the final state alone (o's gradient never materialised: the op's backward gets None for it) or of
+    o alone gives the gradients of the same loss with the other output times zero."""
+    fn = SCHEDULES[schedule]
+    x = make_inputs(2, 5, 1, 3, 2, HV=2, dtype=F64)
+    h0 = make_state(2, 2, 3, 2, dtype=F64)
+    for alone in ("state", "o"):
+        grads = []
+        for zero_other in (False, True):
+            xs = {n: t.clone().requires_grad_() for n, t in x.items()}
+            o, s = fn(**xs, initial_state=h0, output_final_state=True)
+            assert s is not None
+            loss = s.sum() if alone == "state" else o.sum()
+            if zero_other:
+                loss = loss + 0 * (o.sum() if alone == "state" else s.sum())
+            loss.backward()
+            grads.append([xs[n].grad for n in xs])
+        for name, a, b in zip(x, *grads):
+            assert a is not None and b is not None, name
+            torch.testing.assert_close(a, b, msg=name)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_compile_fullgraph_forward_backward(schedule: str) -> None:
     torch._dynamo.reset()
     fn = SCHEDULES[schedule]

@@ -6,6 +6,7 @@ compiles with ``torch.compile(fullgraph=True)``, exports with ``torch.export`` a
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -21,7 +22,8 @@ class KDALayer(nn.Module):
     ``head_v_dim``. The log decay is ``-exp(A_log) * softplus(f + dt_bias)`` from a projection ``f`` (or
     ``lower_bound * sigmoid(...)`` with ``lower_bound``), beta is ``sigmoid`` of a projection, both computed in the
     kernel. The output of each value head is RMS-normalised, gated by ``sigmoid`` of a projection, and projected
-    back to ``hidden_size``.
+    back to ``hidden_size``. ``recompute_in_backward`` is :func:`kda_ops.chunk_kda`'s: keep only the inputs for the
+    backward instead of the per-chunk factors (less memory per layer, a slower backward).
     """
 
     def __init__(
@@ -34,6 +36,7 @@ class KDALayer(nn.Module):
         head_v_dim: int | None = None,
         lower_bound: float | None = None,
         norm_eps: float = 1e-5,
+        recompute_in_backward: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads, self.head_dim = num_heads, head_dim
@@ -42,6 +45,7 @@ class KDALayer(nn.Module):
         if self.num_v_heads % num_heads:
             raise ValueError(f"num_v_heads: expected a multiple of num_heads = {num_heads}, got {self.num_v_heads}")
         self.lower_bound = lower_bound
+        self.recompute_in_backward = recompute_in_backward  # chunk_kda's memory/time trade (docs/compile.md)
         HV, K, V = self.num_v_heads, head_dim, self.head_v_dim
         self.q_proj = nn.Linear(hidden_size, num_heads * K, bias=False)
         self.k_proj = nn.Linear(hidden_size, num_heads * K, bias=False)
@@ -77,7 +81,8 @@ class KDALayer(nn.Module):
         v = self.v_proj(x).view(B, T, HV, V)
         f = self.f_proj(x).view(B, T, HV, K).float()
         b = self.b_proj(x).view(B, T, HV).float()
-        kda = recurrent_kda if recurrent else chunk_kda
+        chunk = functools.partial(chunk_kda, recompute_in_backward=self.recompute_in_backward)
+        kda = recurrent_kda if recurrent else chunk
         o, state = kda(
             q, k, v, f, b,
             initial_state=initial_state,

@@ -57,7 +57,8 @@ TRITON_KERNELS: frozenset[str] = frozenset(
 # backward, so it runs only where the Triton kernels do (:func:`kda_ops.api.chunk_kda` calls it only there).
 TRITON_ONLY: frozenset[str] = frozenset({"chunk_train", "chunk_bwd_saved"})
 # Ops whose Triton kernel has passed the GPU test suite on the H200 and so runs on CUDA by default: all of them
-# since 2026-11-29 (tests/gpu: chunk 51 + 17 passed, recurrent 32). A kernel added later stays out of this set,
+# since 2026-11-29 (tests/gpu: chunk 51 + 17 passed, recurrent 32); the training pair since 2026-11-30 (chunk_bwd
+# 18 passed, models 11). A kernel added later stays out of this set,
 # and CUDA calls of its op take the reference, until it passes; `cuda_triton(...)` or KDA_OPS_CUDA_TRITON=<op>
 # opts in meanwhile.
 CUDA_VERIFIED: frozenset[str] = TRITON_KERNELS
