@@ -342,6 +342,25 @@ def test_training_pair_keeps_what_the_recompute_makes(option: str, dtype: torch.
         ops.chunk_train(*args)
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
+def test_no_tokens(recompute: bool) -> None:
+    """No token at all (a dense T = 0, or packed empty sequences): the final state is the initial state (zeros
+    without one) and its gradient passes straight to the initial state (a copy: an op's output never aliases an
+    input)."""
+    for cu in (None, torch.tensor([0, 0, 0])):
+        x = make_inputs(1, 0, 1, 16, 16, HV=2)
+        xs = {n: t.clone().requires_grad_() for n, t in x.items()}
+        n = 1 if cu is None else 2
+        h0 = make_state(n, 2, 16, 16).requires_grad_()
+        o, s = kda_ops.chunk_kda(**xs, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                 use_qk_l2norm_in_kernel=True, recompute_in_backward=recompute)  # fmt: skip
+        assert s is not None and o.shape == x["v"].shape and torch.equal(s, h0)
+        dht = torch.randn_like(s)
+        (s * dht).sum().backward()
+        assert h0.grad is not None and torch.equal(h0.grad, dht)
+        assert all(xs[name].grad is not None and xs[name].grad.shape == x[name].shape for name in xs)
+
+
 def test_opcheck_training_pair() -> None:
     """``torch.library.opcheck`` of ``kda::chunk_train`` (inputs requiring grad: its autograd) and of
     ``kda::chunk_bwd_saved`` on the factors it kept, under the interpreter."""

@@ -149,6 +149,11 @@ def test_autograd_through_chunk_kda_matches_oracle(recompute: bool) -> None:
     o, s = kda_ops.chunk_kda(**xs, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                              output_final_state=True, recompute_in_backward=recompute)  # fmt: skip
     assert s is not None
+    with torch.no_grad():  # the forward op of inference on the same inputs
+        o_inf, s_inf = kda_ops.chunk_kda(**x, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                         output_final_state=True)  # fmt: skip
+    assert s_inf is not None
+    assert rel_err(o.detach(), o_inf) <= 5e-3 and rel_err(s.detach(), s_inf) <= 5e-3
     do = torch.randn_like(o)
     (o * do).sum().backward()
     ref = reference.chunk_bwd(do.double(), None, *(x[n].double() for n in ("q", "k", "v", "g", "beta")), 64**-0.5,

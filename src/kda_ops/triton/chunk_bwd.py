@@ -115,9 +115,9 @@ def chunk_fwd_train(
             final.copy_(h0)
         elif output_final_state:
             final.zero_()
-        fw = recomputed_empty(q, v, N)
+        kept = tuple(t.zero_() for t in _fields(recomputed_empty(q, v, N)))  # only the N slots have elements
         norms_0 = q.new_empty(2, 0, q.shape[2], dtype=dt) if opts.use_qk_l2norm else q.new_empty(0)
-        return (o, final, *_fields(fw), norms_0)
+        return (o, final, *kept, norms_0)
     qf, kf, vf, gf, bf = (contiguous(x).flatten(0, 1) for x in (q, k, v, g, beta))
     qp, kp, gp, bp, norms = prepare(qf, kf, gf, bf, A_log, dt_bias, opts, dt)
     slots = slot_map(cu_seqlens, B, T, v.device)
@@ -190,7 +190,7 @@ def _gradients(
         N = flat_cu_seqlens(cu_seqlens, B, T, v.device).shape[0] - 1
         zq, zk, zg, zb = (torch.zeros_like(x, dtype=dt) for x in (qf, kf, gf, bf))
         dv_t = torch.zeros_like(vf, dtype=dt)
-        dh0: Tensor = torch.zeros(N, HV, K, V, dtype=dt, device=v.device) if dht is None else dht.to(dt)
+        dh0: Tensor = torch.zeros(N, HV, K, V, dtype=dt, device=v.device) if dht is None else dht.to(dt, copy=True)
     else:
         slots = slot_map(cu_seqlens, B, T, v.device)
         cu = slots.cu
