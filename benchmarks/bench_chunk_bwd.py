@@ -109,6 +109,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--wheels", nargs="*", default=sorted(glob.glob(str(ROOT / ".whl" / "*.whl"))))
     ap.add_argument("--shapes", type=int, default=len(SHAPES), help="time only the first N shapes")
+    ap.add_argument("--only", type=int, nargs="*", default=None,
+                    help="time only these shape indices (fla autotunes minutes per shape)")  # fmt: skip
     ap.add_argument("--skip-fla", action="store_true",
                     help="leave fla out (its first call at a new shape autotunes for minutes)")  # fmt: skip
     ap.add_argument("--profile", action="store_true", help="also list our kernels' GPU time at the first shape")
@@ -117,7 +119,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     fla_fn, fla_src = (None, "fla skipped") if args.skip_fla else load_fla(args.wheels)
     rows: list[dict[str, Any]] = []
-    for B, T, H in SHAPES[: args.shapes]:
+    picked = SHAPES[: args.shapes] if args.only is None else [SHAPES[i] for i in args.only]
+    for B, T, H in picked:
         print(f"timing B{B} T{T} H{H}", file=sys.stderr, flush=True)
         x = inputs(B, T, H)
         gen = torch.Generator(device=DEV).manual_seed(9)
