@@ -2,10 +2,10 @@
 
 Every op is a typed ``torch.library`` operator with a fake (meta) function: opaque to Inductor, traceable by
 ``torch.compile(fullgraph=True)`` and ``torch.export``, capturable in CUDA graphs. The forward ops and the
-serving op are defined with ``Library.define`` (the eager path pays less host time per call), the backward ops with
-``custom_op``; autograd is registered with ``torch.library.register_autograd``. Optional tensor inputs are
-``Tensor?``; an output that was not asked for is an empty ``(0,)`` tensor (an op cannot return ``None``); the
-public functions in :mod:`kda_ops.api` turn it into ``None``.
+serving op are defined with ``Library.define`` (the eager path pays less host time per call), the backward ops and
+the training pair with ``custom_op``; autograd is registered with ``torch.library.register_autograd``. Optional
+tensor inputs are ``Tensor?``; an output that was not asked for is an empty ``(0,)`` tensor (an op cannot return
+``None``); the public functions in :mod:`kda_ops.api` turn it into ``None``.
 
 Schemas (``torch.ops.kda.*``)::
 
@@ -53,14 +53,11 @@ from kda_ops.common import Options, backward_outputs, forward_outputs, num_seque
 TRITON_KERNELS: frozenset[str] = frozenset(
     {"chunk", "chunk_bwd", "chunk_train", "chunk_bwd_saved", "recurrent", "recurrent_bwd", "recurrent_update_"}
 )
-# Ops that have no reference kernel: the training pair keeps the Triton pipeline's own factors between forward and
-# backward, so it runs only where the Triton kernels do (:func:`kda_ops.api.chunk_kda` calls it only there).
-TRITON_ONLY: frozenset[str] = frozenset({"chunk_train", "chunk_bwd_saved"})
 # Ops whose Triton kernel has passed the GPU test suite on the H200 and so runs on CUDA by default: all of them
-# since 2026-11-29 (tests/gpu: chunk 51 + 17 passed, recurrent 32); the training pair since 2026-11-30 (chunk_bwd
-# 18 passed, models 11). A kernel added later stays out of this set,
-# and CUDA calls of its op take the reference, until it passes; `cuda_triton(...)` or KDA_OPS_CUDA_TRITON=<op>
-# opts in meanwhile.
+# since 2026-11-29 (tests/gpu: chunk 51 + 17 passed, recurrent 32), the training pair since 2026-11-30 (chunk_bwd
+# 18 passed, models 11). A kernel added later stays out of this set, and CUDA calls of its op take the reference,
+# until it passes; `cuda_triton(...)` or KDA_OPS_CUDA_TRITON=<op> opts in meanwhile. (The training pair has no
+# reference kernel: it keeps the Triton pipeline's own factors, and `chunk_kda` calls it only where Triton runs.)
 CUDA_VERIFIED: frozenset[str] = TRITON_KERNELS
 
 _cpu_backend = os.environ.get("KDA_OPS_CPU_BACKEND", "reference")
@@ -104,7 +101,8 @@ def uses_triton(op: str, device: torch.device) -> bool:
 
 
 def _triton_only(op: str, device: torch.device) -> Callable[..., Any]:
-    """The Triton kernel of an op of :data:`TRITON_ONLY`, or a clear error where the Triton kernels do not run."""
+    """The Triton kernel of an op without a reference kernel (the training pair), or a clear error where the Triton
+    kernels do not run."""
     if not uses_triton(op, device):
         raise NotImplementedError(
             f"kda::{op} runs only where the Triton kernels run (not on {device} here); call kda::chunk, whose "

@@ -3,7 +3,8 @@
 Per value head, chunks of ``BT = 64`` tokens, the forward's notation (:mod:`kda_ops.triton.chunk`)::
 
     q, k, g, beta  <- the options (l2norm, gate, beta sigmoid), in torch              (chunk_bwd_gates)
-    Mqk, Qt, Kend, Gam_last, Tm, W, Hin, E  <- the forward, recomputed                (chunk_bwd_recompute)
+    Mqk, Qt, Kend, Gam_last, Tm, W, Hin, E  <- the forward, recomputed (chunk_bwd_recompute), or kept by the
+                                               training forward (chunk_fwd_train, kda::chunk_train)
     dS' (per chunk), dE = Kend dS' + Mqk^T dO, dS = e^{Gam_last} dS' + Qt^T dO - W^T dE
                                                     reverse scan; dh0 = dS            (chunk_bwd_scan)
     dv, dMqk, dMkk = -tril(Tm^T dT Tm^T), dKt, dbeta (through U, W, Tm)                (chunk_bwd_dv)
@@ -57,6 +58,10 @@ def product_precisions(dtype: torch.dtype) -> tuple[str, str]:
     if dtype == torch.float32:
         return "tf32x3", "tf32x3"
     return "tf32", "tf32x3"
+
+
+# (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)
+Grads = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]
 
 
 def chunk_bwd(
@@ -115,7 +120,7 @@ def chunk_fwd_train(
             final.copy_(h0)
         elif output_final_state:
             final.zero_()
-        kept = tuple(t.zero_() for t in _fields(recomputed_empty(q, v, N)))  # only the N slots have elements
+        kept = tuple(t.zero_() for t in recomputed_empty(q, v, N).tensors())  # only the N slots have elements
         norms_0 = q.new_empty(2, 0, q.shape[2], dtype=dt) if opts.use_qk_l2norm else q.new_empty(0)
         return (o, final, *kept, norms_0)
     qf, kf, vf, gf, bf = (contiguous(x).flatten(0, 1) for x in (q, k, v, g, beta))
@@ -127,7 +132,7 @@ def chunk_fwd_train(
                              final=final if output_final_state else None)  # fmt: skip
     clear_empty_slots(fw, slots)
     chunk_output(fw.Qt, fw.Mqk, fw.Hin, fw.E, slots, rp, o.dtype, out=o.view(B * T, *o.shape[2:]))
-    return (o, final, *_fields(fw), q.new_empty(0) if norms is None else norms)
+    return (o, final, *fw.tensors(), q.new_empty(0) if norms is None else norms)
 
 
 def chunk_bwd_saved(
@@ -149,13 +154,6 @@ def chunk_bwd_saved(
     """The kernel of ``kda::chunk_bwd_saved``: :func:`chunk_bwd` on the factors that :func:`chunk_fwd_train` kept
     (``saved = (Mqk, Qt, Kend, Gam_last, Tm, W, Hin, E, norms)``) instead of recomputing them."""
     return _gradients(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts, saved)
-
-
-Grads = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]
-
-
-def _fields(fw: Recomputed) -> tuple[Tensor, ...]:
-    return fw.Mqk, fw.Qt, fw.Kend, fw.Gl, fw.Tm, fw.W, fw.Hin, fw.E
 
 
 def _gradients(

@@ -47,6 +47,10 @@ class Recomputed:
     Hin: Tensor  # [NC, HV, K, V]
     E: Tensor  # [T, HV, V]
 
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The factors in field order (``kda::chunk_train``'s outputs after ``o`` and the final state)."""
+        return self.Mqk, self.Qt, self.Kend, self.Gl, self.Tm, self.W, self.Hin, self.E
+
 
 def recompute_precision(dtype: torch.dtype) -> Precision:
     """The forward stages' precision in the backward. fp32 inputs: fp32 storage, exact or 3xTF32 products. 16-bit
