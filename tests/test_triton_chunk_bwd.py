@@ -389,6 +389,25 @@ def test_compile_training_pair_dynamic_shapes() -> None:
     assert torch._dynamo.explain(step)(*xs, h0).graph_break_count == 0
 
 
+def test_gradcheck_training_pair() -> None:
+    """``torch.autograd.gradcheck`` (float64, fast mode) through ``chunk_kda``'s training pair with every option,
+    packed sequences (an empty one) and an initial state: the kept factors' backward is the forward's derivative."""
+    x = make_inputs(1, 9, 1, 16, 16, HV=2, dtype=F64, gate_in_kernel=True, beta_logits=True)
+    cu = torch.tensor([0, 4, 4, 9])
+    names = ["q", "k", "v", "g", "beta", "A_log", "dt_bias"]
+
+    def f(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, g, beta, A_log, dt_bias, h0 = args
+        o, s = kda_ops.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                 use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                                 use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)  # fmt: skip
+        assert s is not None
+        return o, s
+
+    inputs = (*(x[n].clone().requires_grad_() for n in names), make_state(3, 2, 16, 16, dtype=F64).requires_grad_())
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-5, fast_mode=True)
+
+
 def test_opcheck_training_pair() -> None:
     """``torch.library.opcheck`` of ``kda::chunk_train`` (inputs requiring grad: its autograd) and of
     ``kda::chunk_bwd_saved`` on the factors it kept, under the interpreter."""
