@@ -80,7 +80,7 @@ def chunk_fwd(
     o, final = forward_outputs(q, v, cu_seqlens, output_final_state)
     h0 = None if initial_state is None else contiguous(initial_state.to(state_dtype(v)))
     if B * T == 0:
-        return o, _no_tokens(final, h0, output_final_state)
+        return o, final_without_tokens(final, h0, output_final_state)
     p = precision or precision_for(v.dtype)
     slots = slot_map(cu_seqlens, B, T, v.device)
     cu = slots.cu
@@ -124,7 +124,7 @@ def chunk_fwd_staged(
     o, final = forward_outputs(q, v, cu_seqlens, output_final_state)
     h0 = None if initial_state is None else contiguous(initial_state.to(state_dtype(v)))
     if B * T == 0:
-        return o, _no_tokens(final, h0, output_final_state)
+        return o, final_without_tokens(final, h0, output_final_state)
     p = precision or precision_for(v.dtype)
     slots = slot_map(cu_seqlens, B, T, v.device)
     cu = slots.cu
@@ -140,7 +140,7 @@ def chunk_fwd_staged(
     return o, final
 
 
-def _no_tokens(final: Tensor, h0: Tensor | None, output_final_state: bool) -> Tensor:
+def final_without_tokens(final: Tensor, h0: Tensor | None, output_final_state: bool) -> Tensor:
     """The final state when there is no token at all: the initial state (or zeros)."""
     if output_final_state:
         if h0 is None:
@@ -150,4 +150,4 @@ def _no_tokens(final: Tensor, h0: Tensor | None, output_final_state: bool) -> Te
     return final
 
 
-__all__ = ["chunk_fwd", "chunk_fwd_staged"]
+__all__ = ["chunk_fwd", "chunk_fwd_staged", "final_without_tokens"]

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from kda_ops.common import Options, forward_outputs, num_sequences, state_dtype
+from kda_ops.triton.chunk import final_without_tokens
 from kda_ops.triton.chunk_bwd_dqk import chunk_bwd_dqk
 from kda_ops.triton.chunk_bwd_dv import chunk_bwd_dv
 from kda_ops.triton.chunk_bwd_gates import prepare, prepare_bwd
@@ -116,10 +117,7 @@ def chunk_fwd_train(
     N = num_sequences(q, cu_seqlens)
     h0 = None if initial_state is None else contiguous(initial_state.to(dt))
     if B * T == 0:
-        if output_final_state and h0 is not None:
-            final.copy_(h0)
-        elif output_final_state:
-            final.zero_()
+        final = final_without_tokens(final, h0, output_final_state)
         kept = tuple(t.zero_() for t in recomputed_empty(q, v, N).tensors())  # only the N slots have elements
         norms_0 = q.new_empty(2, 0, q.shape[2], dtype=dt) if opts.use_qk_l2norm else q.new_empty(0)
         return (o, final, *kept, norms_0)

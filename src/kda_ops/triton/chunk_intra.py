@@ -45,6 +45,7 @@ from kda_ops.triton.chunk_common import (
     load_beta2,
     mm,
     rnorm2,
+    row_factors,
     slot_rows,
     store2,
 )
@@ -210,11 +211,11 @@ def qk_norms(q, k, tok, m, i_h, H, K: tl.constexpr, BK: tl.constexpr, BT: tl.con
 
 
 @triton.jit
-def given_norms(Rqk, tok, m, i_h, H, T):
+def given_norms(Rqk, tok, m, i_h, H, T, DT: tl.constexpr):
     """The l2norm factors of the chunk's q and k rows, ``[BT, 1]``, read from ``Rqk [2, T, H]`` (computed before the
     kernel, ``kda_ops.triton.l2norm.l2norm_factors``)."""
-    rq = tl.load(Rqk + tok * H + i_h, mask=m, other=0.0)
-    rk = tl.load(Rqk + (T + tok) * H + i_h, mask=m, other=0.0)
+    rq = row_factors(Rqk, tok, m, i_h, H, DT, True)
+    rk = row_factors(Rqk + T * H, tok, m, i_h, H, DT, True)
     return rq[:, None], rk[:, None]
 
 

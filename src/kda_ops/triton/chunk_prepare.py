@@ -102,7 +102,7 @@ def chunk_prepare_kernel(
         ssq = tl.zeros((BT,), dtype=DT)
         ssk = tl.zeros((BT,), dtype=DT)
     elif GIVEN_NORMS:
-        rq, rk = given_norms(Rqk, tok, m, i_h, H, T)
+        rq, rk = given_norms(Rqk, tok, m, i_h, H, T, DT)
     else:
         rq, rk = qk_norms(q, k, tok, m, i_h, H, K, BK, BT, USE_L2NORM, DT)
     # stages 1-2: decays, Qt, Kend, Gam_last (stored) and Mqk, Mkk (registers), anchored at the middle row
@@ -164,7 +164,7 @@ def chunk_prepare_blocks_kernel(
         if tl.load(Flag + i_c.to(tl.int64) * HV + i_hv) == 0:
             return
     if GIVEN_NORMS:
-        rq, rk = given_norms(Rqk, tok, m, i_h, H, T)
+        rq, rk = given_norms(Rqk, tok, m, i_h, H, T, DT)
     else:
         rq, rk = qk_norms(q, k, tok, m, i_h, H, K, BK, BT, USE_L2NORM, DT)
     Mqk2 = tl.zeros((BT, BT), dtype=DT)
