@@ -111,15 +111,12 @@ def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
         a["GIVEN_NORMS"] = False
         return a
 
-    def scan(K: int, V: int, BV: int, store: torch.dtype = BF, prec: tuple[str, str] = ("bf16", "bf16"),
-             fused: bool = True, norms: bool = False) -> dict[str, Any]:  # fmt: skip
-        return dict(W=store, U=store, Kend=store, Gl=F32, h0=F32, final=F32, Qt=store if fused else None,
-                    Mqk=store if fused else None, o=BF if fused else None, Hin=None if fused else F32,
-                    E=None if fused else F32, Nq=F32 if norms else None, Nk=F32 if norms else None, cu=I64,
-                    chunk_off=I64, HV=32, K=K, V=V,
+    def scan(K: int, V: int, BV: int, store: torch.dtype = BF, prec: str = "bf16",
+             norms: bool = False) -> dict[str, Any]:  # fmt: skip
+        return dict(W=store, U=store, Kend=store, Gl=F32, h0=F32, final=F32, Hin=store, E=store,
+                    Nk=F32 if norms else None, cu=I64, chunk_off=I64, HV=32, K=K, V=V,
                     BK=max(16, triton.next_power_of_2(K)), BV=BV, BT=64, USE_H0=True, STORE_FINAL=True,
-                    FUSE_OUTPUT=fused, STORE_STATES=not fused, PREC_SCAN=prec[0], PREC_OUT=prec[1],
-                    DT=tl.float32, NORMS=norms)  # fmt: skip
+                    STORE_STATES=True, PREC_SCAN=prec, DT=tl.float32, NORMS=norms)  # fmt: skip
 
     stage = dict(slot_start=I64, slot_count=I64, lower_bound=0.0, HV=32, BT=64, USE_GATE=True, USE_A=True,
                  USE_BIAS=True, USE_BOUND=False, DT=tl.float32)  # fmt: skip
@@ -130,9 +127,7 @@ def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
                                                          prepare(False, fold=True), 8, 1),
         "prepare blocks bf16 K=V=128 folded l2norm": (chunk_prepare.chunk_prepare_blocks_kernel,
                                                       prepare(True, fold=True), 8, 1),
-        "scan staged bf16 K=V=128 BV=32 norms": (chunk_state.chunk_state_kernel,
-                                                 scan(128, 128, 32, fused=False, norms=True), 8, 1),
-        "scan fused bf16 K=V=128 BV=32 norms": (chunk_state.chunk_state_kernel, scan(128, 128, 32, norms=True), 4, 2),
+        "scan bf16 K=V=128 BV=32 norms": (chunk_state.chunk_state_kernel, scan(128, 128, 32, norms=True), 8, 1),
         "output norms": (chunk_output.chunk_output_kernel, dict(Qt=BF, Mqk=BF, Hin=BF, E=BF, o=BF, Nq=F32,
                          slot_start=I64, slot_count=I64, HV=32, K=128, V=128, BK=128, BV=64, BT=64, PREC="bf16",
                          DT=tl.float32, NORMS=True), 4, 1),
@@ -142,11 +137,8 @@ def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
                                              prepare(True, 256, 256, gate=True), 8, 1),
         "prepare blocks fp64": (chunk_prepare.chunk_prepare_blocks_kernel,
                                 prepare(True, 64, 64, F64, F64, ("ieee",) * 3, tl.float64), 4, 1),
-        "scan fused bf16 K=V=128 BV=32": (chunk_state.chunk_state_kernel, scan(128, 128, 32), 4, 2),
-        "scan fused fp32 tf32x3 K=V=256 BV=16": (chunk_state.chunk_state_kernel,
-                                                 scan(256, 256, 16, F32, ("tf32x3", "tf32x3")), 4, 1),
-        "scan staged fp32 K=V=100": (chunk_state.chunk_state_kernel, scan(100, 100, 64, F32, ("ieee", "ieee"), False),
-                                     4, 1),
+        "scan fp32 tf32x3 K=V=256 BV=32": (chunk_state.chunk_state_kernel, scan(256, 256, 32, F32, "tf32x3"), 8, 1),
+        "scan fp32 K=V=100": (chunk_state.chunk_state_kernel, scan(100, 100, 64, F32, "ieee"), 8, 1),
         "dense chunk map": (chunk_map.dense_map_kernel, dict(buf=I64, B=3, T=1000, NC=50, nch=16, C=64, BLOCK=1024),
                             4, 1),
         "cumsum": (chunk_cumsum.chunk_cumsum_kernel, dict(stage, g=F32, A_log=F32, dt_bias=F32, Gam=F32, Gl=F32,

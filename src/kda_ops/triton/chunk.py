@@ -35,11 +35,9 @@ from kda_ops.triton.chunk_state import chunk_state
 from kda_ops.triton.debug import poison
 
 # Measured on the H200 (triton 3.6, 2026-11-29, B1 T32768 H32 bf16, same error o 3.11e-3 at T = 1000 every way):
-# stages 1-3 fused 4.49 -> 4.10 ms for the forward (FUSE_PREPARE, the path the GPU suites run). The scan with the
-# outputs fused in (no per-chunk states through memory) is slower and stays off: 1.51 ms against 0.84 + 0.49 apart;
-# on a later tree the forward with it took 4.166 ms against 3.90, and with the next chunk's Qt/Mqk tiles loaded a
-# step ahead it faulted (an out-of-range shared-memory read in its dot, compute-sanitizer). No GPU test runs it.
-FUSE_SCAN_OUTPUT = False
+# stages 1-3 fused 4.49 -> 4.10 ms for the forward (FUSE_PREPARE, the path the GPU suites run). The scan and the
+# output stage stay two kernels: the scan with the outputs fused in was slower (1.51 ms against 0.84 + 0.49 apart)
+# and faulted on the GPU; ``chunk_state`` says more.
 FUSE_PREPARE = True
 
 
@@ -89,11 +87,6 @@ def chunk_fwd(
     Mqk, W, U, Qt, Kend, Gl, _, Nrm = chunk_prepare(
         _flat(q), _flat(k), _flat(v), _flat(g), _flat(beta), scale, slots, _opt(A_log), _opt(dt_bias), opts, p
     )
-    if FUSE_SCAN_OUTPUT:
-        # stages 4-5, fused: E = U - W S;  O = Qt S + Mqk E;  S' = exp(Gam_last) S + Kend^T E
-        chunk_state(W, U, Kend, Gl, h0, cu, p, final=final if output_final_state else None,
-                    outputs=(Qt, Mqk, o.view(B * T, *o.shape[2:])), offsets=slots.offset, norms=Nrm)  # fmt: skip
-        return o, final
     # stage 4: E = U - W S;  S' = exp(Gam_last) S + Kend^T E, keeping the state entering each chunk
     Hin, E = chunk_state(W, U, Kend, Gl, h0, cu, p, final=final if output_final_state else None, store_states=True,
                          offsets=slots.offset, norms=Nrm)  # fmt: skip

@@ -1,9 +1,9 @@
 """Stage 5: the outputs ``O = Qt S + Mqk E`` of every chunk, from the state ``S`` entering it.
 
 ``Qt S`` reads the decayed incoming state; ``Mqk E`` adds the causal contributions of the writes made inside the
-chunk (the diagonal included: KDA reads after writing). The production path computes this inside the state scan
-(:mod:`~kda_ops.triton.chunk_state`, ``FUSE_OUTPUT``), where ``S`` and ``E`` are already in registers, so the
-states of every chunk never travel through memory; the standalone kernel here reads them (the staged pipeline).
+chunk (the diagonal included: KDA reads after writing). One program per (chunk slot, value head, value tile),
+parallel over chunks, reading the states ``Hin`` and errors ``E`` the scan (:mod:`~kda_ops.triton.chunk_state`)
+stored.
 """
 
 from __future__ import annotations

@@ -1,20 +1,22 @@
-"""Stage 4: the inter-chunk state scan, the only sequential part of the chunkwise forward (stage 5 fused in).
+"""Stage 4: the inter-chunk state scan, the only sequential part of the chunkwise forward.
 
 One program per (sequence, value head, value tile) holds the state tile ``S [K, BV]`` in registers (fp32) and walks
 the sequence's chunks in order::
 
     E  = U - W S                                   resolved errors of the chunk       [BT, BV]
-    O  = Qt S + Mqk E                              outputs (FUSE_OUTPUT)              [BT, BV]
     S' = diag(exp(Gam_last)) S + Kend^T E          the state entering the next chunk
 
 The sequence's bounds come from ``cu_seqlens`` on the device and its chunks are slots ``chunk_off[n] ..`` of the
 chunk-slot map, so the grid is ``N * HV * cdiv(V, BV)`` programs whatever the lengths: one CUDA graph serves every
-``cu_seqlens`` of one size. Fusing the outputs into the scan means the per-chunk states ``[NC, HV, K, V]`` (1 GB
-in fp32 at T = 32k, HV = 32, K = V = 128) are never written; ``STORE_STATES`` writes them, and ``E``, for the
-staged pipeline and the tests.
+``cu_seqlens`` of one size. ``STORE_STATES`` writes the state entering each chunk (``Hin [NC, HV, K, V]``) and
+``E`` for the output stage (:mod:`~kda_ops.triton.chunk_output`) and the backward.
+
+The outputs were once computed here too (stage 5 fused into the scan, no ``Hin`` through memory). That form was
+slower (B1 T32768 H32 bf16 on the H200, 2026-11-29: 1.51 ms against 0.84 + 0.49 for the scan and the output stage
+apart) and, on 2026-11-30 (triton 3.6), faulted with an illegal memory access at T = 1000 and 1024; it was removed.
 
 Value tiles: the programs are independent across ``V``, so ``BV`` trades parallelism (``N * HV * V / BV`` programs
-for the machine's SMs) against re-reading ``W``, ``Qt``, ``Kend`` once per tile (from L2).
+for the machine's SMs) against re-reading ``W`` and ``Kend`` once per tile (from L2).
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ from kda_ops.triton.chunk_common import (
     store2,
     tile2,
 )
-from kda_ops.triton.chunk_output import output_tile
 from kda_ops.triton.debug import poison
 from kda_ops.triton.launch import Launcher
 from kda_ops.varlen import sequence_chunks
@@ -95,31 +96,30 @@ def scan_block_v(V: int, programs: int, device: torch.device) -> int:
 
 
 @triton.jit
-def scan_tiles(W, U, Kend, Gl, Nq, Nk, tok, eos, c0, j, n_chunks, i_hv, HV, o_k, m_k, o_v, m_v, K: tl.constexpr,
-               V: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr, NORMS: tl.constexpr, FUSE_OUTPUT: tl.constexpr):
+def scan_tiles(W, U, Kend, Gl, Nk, tok, eos, c0, j, n_chunks, i_hv, HV, o_k, m_k, o_v, m_v, K: tl.constexpr,
+               V: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr, NORMS: tl.constexpr):
     """The tiles the scan reads for chunk ``j`` of the sequence (rows ``tok``): ``W, Kend [BT, BK]`` as stored,
-    ``U [BT, BV]``, ``Gam_last [BK]`` in ``DT`` and the l2norm factors of ``Qt``'s and ``Kend``'s rows (``NORMS``;
-    else 1.0). Zeros past the sequence's end."""
+    ``U [BT, BV]``, ``Gam_last [BK]`` in ``DT`` and the l2norm factors of ``Kend``'s rows (``NORMS``; else 1.0).
+    Zeros past the sequence's end."""
     m = tok < eos
     w = tile2(W + i_hv * K, tok, m, HV * K, o_k, m_k)
     u = load2(U + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
     ke = tile2(Kend + i_hv * K, tok, m, HV * K, o_k, m_k)
     # chunk-count conditions as [BK] tensors: triton 3.9's interpreter rejects a mask of tensor & scalar
     gl = tl.load(Gl + ((c0 + j) * HV + i_hv) * K + o_k, mask=m_k & (o_k * 0 + j < n_chunks), other=0.0).to(DT)
-    # NORMS: Qt and Kend were stored without the l2norm factors of their rows (chunk_prepare's FOLD_NORMS)
-    nq = row_factors(Nq, tok, m, i_hv, HV, DT, NORMS and FUSE_OUTPUT)
+    # NORMS: Kend was stored without the l2norm factors of its rows (chunk_prepare's FOLD_NORMS)
     nk = row_factors(Nk, tok, m, i_hv, HV, DT, NORMS)
-    return w, u, ke, gl, nq, nk
+    return w, u, ke, gl, nk
 
 
 @triton.jit
 def chunk_state_kernel(
-    W, U, Kend, Gl, h0, final, Qt, Mqk, o, Hin, E, Nq, Nk, cu, chunk_off, HV,
+    W, U, Kend, Gl, h0, final, Hin, E, Nk, cu, chunk_off, HV,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr, FUSE_OUTPUT: tl.constexpr, STORE_STATES: tl.constexpr,
-    PREC_SCAN: tl.constexpr, PREC_OUT: tl.constexpr, DT: tl.constexpr, NORMS: tl.constexpr,
+    USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr, STORE_STATES: tl.constexpr, PREC_SCAN: tl.constexpr,
+    DT: tl.constexpr, NORMS: tl.constexpr,
 ):  # fmt: skip
-    # one grid axis (the others stop at 65535), value tiles of one head adjacent: they share W, Qt, Kend in L2
+    # one grid axis (the others stop at 65535), value tiles of one head adjacent: they share W and Kend in L2
     NV: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0)
     i_nh = pid // NV
@@ -146,25 +146,20 @@ def chunk_state_kernel(
     # ahead was slower: scan 0.842 -> 0.988 ms at B1 T32768 H32 bf16 (H200, 246 registers against 214).
     tok = bos + rows
     m = tok < eos
-    w, u, ke, gl, nq, nk = scan_tiles(W, U, Kend, Gl, Nq, Nk, tok, eos, c0, 0, n_chunks, i_hv, HV, o_k, m_k, o_v, m_v,
-                                      K, V, BT, DT, NORMS, FUSE_OUTPUT)  # fmt: skip
+    w, u, ke, gl, nk = scan_tiles(W, U, Kend, Gl, Nk, tok, eos, c0, 0, n_chunks, i_hv, HV, o_k, m_k, o_v, m_v, K, V,
+                                  BT, DT, NORMS)  # fmt: skip
     for j in range(n_chunks):
         c = c0 + j
-        w_n, u_n, ke_n, gl_n, nq_n, nk_n = scan_tiles(W, U, Kend, Gl, Nq, Nk, tok + BT, eos, c0, j + 1, n_chunks,
-                                                      i_hv, HV, o_k, m_k, o_v, m_v, K, V, BT, DT, NORMS,
-                                                      FUSE_OUTPUT)  # fmt: skip
+        w_n, u_n, ke_n, gl_n, nk_n = scan_tiles(W, U, Kend, Gl, Nk, tok + BT, eos, c0, j + 1, n_chunks, i_hv, HV,
+                                                o_k, m_k, o_v, m_v, K, V, BT, DT, NORMS)  # fmt: skip
         Ec = u - mm(w, S, PREC_SCAN, DT)
         if STORE_STATES:
             tl.store(Hin + (c * HV + i_hv) * K * V + p_s, S.to(Hin.dtype.element_ty), mask=m_s)
             store2(E + i_hv * V, tok, m, HV * V, o_v, m_v, Ec)
-        if FUSE_OUTPUT:
-            qt = tile2(Qt + i_hv * K, tok, m, HV * K, o_k, m_k)
-            A = tile2(Mqk + i_hv * BT, tok, m, HV * BT, rows, col_mask(rows, BT, BT))
-            store2(o + i_hv * V, tok, m, HV * V, o_v, m_v, output_tile(qt, S, A, Ec, nq, PREC_OUT, DT, NORMS))
         S = S * tl.exp(gl)[:, None] + mm(tl.trans(ke), scale_rows(Ec, nk, NORMS), PREC_SCAN, DT)
         tok += BT
         m = tok < eos
-        w, u, ke, gl, nq, nk = w_n, u_n, ke_n, gl_n, nq_n, nk_n
+        w, u, ke, gl, nk = w_n, u_n, ke_n, gl_n, nk_n
     if STORE_FINAL:
         tl.store(final + s_off + p_s, S.to(final.dtype.element_ty), mask=m_s)
 
@@ -185,7 +180,6 @@ def chunk_state(
     precision: Precision,
     *,
     final: Tensor | None = None,
-    outputs: tuple[Tensor, Tensor, Tensor] | None = None,
     store_states: bool = False,
     offsets: Tensor | None = None,
     norms: Tensor | None = None,
@@ -193,11 +187,12 @@ def chunk_state(
     """Run the scan over the chunks of every sequence of ``cu`` (sanitized, int64, over the flat token stream).
 
     ``W, Kend [T, HV, K]``, ``U [T, HV, V]``, ``Gl [NC, HV, K]`` (per chunk slot), ``h0 [N, HV, K, V]`` or None.
-    Writes ``final [N, HV, K, V]`` if given, and with ``outputs = (Qt, Mqk, o)`` the outputs into ``o [T, HV, V]``.
+    Writes ``final [N, HV, K, V]`` if given.
     Returns ``(Hin [NC, HV, K, V], E [T, HV, V])`` with ``store_states`` (in ``precision.store`` while
     :data:`STATES_IN_STORE_DTYPE`, else the compute dtype), else ``(None, None)``.
     ``offsets``: each sequence's first chunk slot (:func:`chunk_offsets` of ``cu`` when not given). ``norms [2, T,
-    HV]``: the l2norm factors of the rows of ``Qt`` and ``Kend`` when they were stored without them
+    HV]``: the l2norm factors of the rows of ``Qt`` and ``Kend`` when they were stored without them (the scan reads
+    ``norms[1]``)
     (:func:`~kda_ops.triton.chunk_prepare.chunk_prepare`).
     """
     T, HV, K = W.shape
@@ -210,16 +205,15 @@ def chunk_state(
         Hin = W.new_empty(NC, HV, K, V, dtype=dt)
         E = W.new_empty(T, HV, V, dtype=dt)
         poison(Hin, E)
-    Qt, Mqk, o = outputs if outputs is not None else (None, None, None)
     BV = scan_block_v(V, N * HV, W.device)
     offsets = chunk_offsets(cu) if offsets is None else offsets
     _launch_scan(
         (N * HV * cdiv(V, BV),),
-        (contiguous(W), contiguous(U), contiguous(Kend), Gl, h0, final, Qt, Mqk, o, Hin, E,
-         None if norms is None else norms[0], None if norms is None else norms[1], cu, offsets, HV),
+        (contiguous(W), contiguous(U), contiguous(Kend), Gl, h0, final, Hin, E,
+         None if norms is None else norms[1], cu, offsets, HV),
         dict(K=K, V=V, BK=pow2(K), BV=BV, BT=BT, USE_H0=h0 is not None, STORE_FINAL=final is not None,
-             FUSE_OUTPUT=outputs is not None, STORE_STATES=store_states, PREC_SCAN=precision.scan,
-             PREC_OUT=precision.output, DT=compute_dtype(Gl), NORMS=norms is not None, **launch("scan")),
+             STORE_STATES=store_states, PREC_SCAN=precision.scan, DT=compute_dtype(Gl), NORMS=norms is not None,
+             **launch("scan")),
     )  # fmt: skip
     return Hin, E
 
