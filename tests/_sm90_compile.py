@@ -116,7 +116,7 @@ def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
         return dict(W=store, U=store, Kend=store, Gl=F32, h0=F32, final=F32, Hin=store, E=store,
                     Nk=F32 if norms else None, cu=I64, chunk_off=I64, HV=32, K=K, V=V,
                     BK=max(16, triton.next_power_of_2(K)), BV=BV, BT=64, USE_H0=True, STORE_FINAL=True,
-                    STORE_STATES=True, PREC_SCAN=prec, DT=tl.float32, NORMS=norms)  # fmt: skip
+                    PREC_SCAN=prec, DT=tl.float32, NORMS=norms)  # fmt: skip
 
     stage = dict(slot_start=I64, slot_count=I64, lower_bound=0.0, HV=32, BT=64, USE_GATE=True, USE_A=True,
                  USE_BIAS=True, USE_BOUND=False, DT=tl.float32)  # fmt: skip

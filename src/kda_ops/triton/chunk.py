@@ -88,9 +88,8 @@ def chunk_fwd(
         _flat(q), _flat(k), _flat(v), _flat(g), _flat(beta), scale, slots, _opt(A_log), _opt(dt_bias), opts, p
     )
     # stage 4: E = U - W S;  S' = exp(Gam_last) S + Kend^T E, keeping the state entering each chunk
-    Hin, E = chunk_state(W, U, Kend, Gl, h0, cu, p, final=final if output_final_state else None, store_states=True,
+    Hin, E = chunk_state(W, U, Kend, Gl, h0, cu, p, final=final if output_final_state else None,
                          offsets=slots.offset, norms=Nrm)  # fmt: skip
-    assert Hin is not None and E is not None
     # stage 5: O = Qt S + Mqk E, parallel over chunks
     chunk_output(Qt, Mqk, Hin, E, slots, p, o.dtype, out=o.view(B * T, *o.shape[2:]), norms=Nrm)
     return o, final
@@ -126,9 +125,8 @@ def chunk_fwd_staged(
     Mqk, Mkk, Qt, Kend, Kt, Gl = chunk_intra(qf, kf, gf, bf, scale, slots, A_log, dt_bias, opts, p)
     _, W, U = chunk_solve(Mkk, Kt, vf, bf, slots, opts, p, store_tm=False)
     poison(final)
-    Hin, E = chunk_state(W, U, Kend, Gl, h0, cu, p, final=final if output_final_state else None, store_states=True,
+    Hin, E = chunk_state(W, U, Kend, Gl, h0, cu, p, final=final if output_final_state else None,
                          offsets=slots.offset)  # fmt: skip
-    assert Hin is not None and E is not None
     chunk_output(Qt, Mqk, Hin, E, slots, p, o.dtype, out=o.view(B * T, *o.shape[2:]))
     return o, final
 

@@ -4,7 +4,7 @@ The forward op saves only its inputs (``docs/architecture.md``, "Chunk backward:
 reruns the forward's kernels, keeping what the gradient stages read::
 
     Mqk, Qt, Kend, Gam_last, Tm, W, U   (chunk_prepare with store_tm: stages 1-3 fused, as in the forward)
-    Hin, E                              (chunk_state with store_states: the state entering each chunk, the errors)
+    Hin, E                              (chunk_state: the state entering each chunk, the errors)
 
 The fused kernel replaced the staged ``chunk_intra`` (two passes) and ``chunk_solve`` here: 1.62 + 1.70 ms at
 B1 T32768 H32 bf16 on the H200 (2026-11-29), against ~2.9 ms for the fused kernel with ``Tm`` stored (it never
@@ -95,8 +95,7 @@ def chunk_bwd_recompute(
     Mqk, W, U, Qt, Kend, Gl, Tm, _ = chunk_prepare(q, k, v, g, beta, scale, slots, None, None, _NO_OPTIONS, precision,
                                                 store_tm=True, norms=norms)
     assert Tm is not None
-    Hin, E = chunk_state(W, U, Kend, Gl, h0, cu, precision, final=final, store_states=True, offsets=offsets)
-    assert Hin is not None and E is not None
+    Hin, E = chunk_state(W, U, Kend, Gl, h0, cu, precision, final=final, offsets=offsets)
     return Recomputed(Mqk, Qt, Kend, Gl, Tm, W, Hin, E)
 
 

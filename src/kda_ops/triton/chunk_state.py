@@ -8,8 +8,8 @@ the sequence's chunks in order::
 
 The sequence's bounds come from ``cu_seqlens`` on the device and its chunks are slots ``chunk_off[n] ..`` of the
 chunk-slot map, so the grid is ``N * HV * cdiv(V, BV)`` programs whatever the lengths: one CUDA graph serves every
-``cu_seqlens`` of one size. ``STORE_STATES`` writes the state entering each chunk (``Hin [NC, HV, K, V]``) and
-``E`` for the output stage (:mod:`~kda_ops.triton.chunk_output`) and the backward.
+``cu_seqlens`` of one size. The scan stores the state entering each chunk (``Hin [NC, HV, K, V]``) and ``E`` for
+the output stage (:mod:`~kda_ops.triton.chunk_output`) and the backward.
 
 The outputs were once computed here too (stage 5 fused into the scan, no ``Hin`` through memory). That form was
 slower (B1 T32768 H32 bf16 on the H200, 2026-11-29: 1.51 ms against 0.84 + 0.49 for the scan and the output stage
@@ -49,7 +49,7 @@ from kda_ops.triton.debug import poison
 from kda_ops.triton.launch import Launcher
 from kda_ops.varlen import sequence_chunks
 
-# Stored per-chunk states ``Hin`` and errors ``E`` (``store_states``) in the factors' storage dtype
+# Stored per-chunk states ``Hin`` and errors ``E`` in the factors' storage dtype
 # (``precision.store``: bf16 for bf16 inputs) rather than the compute dtype: half their traffic and memory, for the
 # forward's output stage and for the backward, which reads them twice. Measured on the H200 (2026-11-29, B1 H32
 # bf16): forward at T = 32768 6.518 -> 6.436 ms with the error vs the float64 oracle at T = 1000 o 2.82e-3 ->
@@ -116,8 +116,8 @@ def scan_tiles(W, U, Kend, Gl, Nk, tok, eos, c0, j, n_chunks, i_hv, HV, o_k, m_k
 def chunk_state_kernel(
     W, U, Kend, Gl, h0, final, Hin, E, Nk, cu, chunk_off, HV,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr, STORE_STATES: tl.constexpr, PREC_SCAN: tl.constexpr,
-    DT: tl.constexpr, NORMS: tl.constexpr,
+    USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr, PREC_SCAN: tl.constexpr, DT: tl.constexpr,
+    NORMS: tl.constexpr,
 ):  # fmt: skip
     # one grid axis (the others stop at 65535), value tiles of one head adjacent: they share W and Kend in L2
     NV: tl.constexpr = (V + BV - 1) // BV
@@ -153,9 +153,8 @@ def chunk_state_kernel(
         w_n, u_n, ke_n, gl_n, nk_n = scan_tiles(W, U, Kend, Gl, Nk, tok + BT, eos, c0, j + 1, n_chunks, i_hv, HV,
                                                 o_k, m_k, o_v, m_v, K, V, BT, DT, NORMS)  # fmt: skip
         Ec = u - mm(w, S, PREC_SCAN, DT)
-        if STORE_STATES:
-            tl.store(Hin + (c * HV + i_hv) * K * V + p_s, S.to(Hin.dtype.element_ty), mask=m_s)
-            store2(E + i_hv * V, tok, m, HV * V, o_v, m_v, Ec)
+        tl.store(Hin + (c * HV + i_hv) * K * V + p_s, S.to(Hin.dtype.element_ty), mask=m_s)
+        store2(E + i_hv * V, tok, m, HV * V, o_v, m_v, Ec)
         S = S * tl.exp(gl)[:, None] + mm(tl.trans(ke), scale_rows(Ec, nk, NORMS), PREC_SCAN, DT)
         tok += BT
         m = tok < eos
@@ -180,31 +179,26 @@ def chunk_state(
     precision: Precision,
     *,
     final: Tensor | None = None,
-    store_states: bool = False,
     offsets: Tensor | None = None,
     norms: Tensor | None = None,
-) -> tuple[Tensor | None, Tensor | None]:
+) -> tuple[Tensor, Tensor]:
     """Run the scan over the chunks of every sequence of ``cu`` (sanitized, int64, over the flat token stream).
 
     ``W, Kend [T, HV, K]``, ``U [T, HV, V]``, ``Gl [NC, HV, K]`` (per chunk slot), ``h0 [N, HV, K, V]`` or None.
-    Writes ``final [N, HV, K, V]`` if given.
-    Returns ``(Hin [NC, HV, K, V], E [T, HV, V])`` with ``store_states`` (in ``precision.store`` while
-    :data:`STATES_IN_STORE_DTYPE`, else the compute dtype), else ``(None, None)``.
-    ``offsets``: each sequence's first chunk slot (:func:`chunk_offsets` of ``cu`` when not given). ``norms [2, T,
-    HV]``: the l2norm factors of the rows of ``Qt`` and ``Kend`` when they were stored without them (the scan reads
-    ``norms[1]``)
-    (:func:`~kda_ops.triton.chunk_prepare.chunk_prepare`).
+    Writes ``final [N, HV, K, V]`` if given. Returns the state entering each chunk slot and the chunks' errors,
+    ``(Hin [NC, HV, K, V], E [T, HV, V])``, in ``precision.store`` while :data:`STATES_IN_STORE_DTYPE` (else the
+    compute dtype). ``offsets``: each sequence's first chunk slot (:func:`chunk_offsets` of ``cu`` when not given).
+    ``norms [2, T, HV]``: the l2norm factors of the rows of ``Qt`` and ``Kend`` when they were stored without them
+    (:func:`~kda_ops.triton.chunk_prepare.chunk_prepare`); the scan reads ``norms[1]``.
     """
     T, HV, K = W.shape
     V = U.shape[2]
     NC = Gl.shape[0]
     N = cu.shape[0] - 1
-    Hin = E = None
-    if store_states:
-        dt = (STATES_IN_STORE_DTYPE and precision.store) or state_dtype(Gl)
-        Hin = W.new_empty(NC, HV, K, V, dtype=dt)
-        E = W.new_empty(T, HV, V, dtype=dt)
-        poison(Hin, E)
+    dt = (STATES_IN_STORE_DTYPE and precision.store) or state_dtype(Gl)
+    Hin = W.new_empty(NC, HV, K, V, dtype=dt)
+    E = W.new_empty(T, HV, V, dtype=dt)
+    poison(Hin, E)
     BV = scan_block_v(V, N * HV, W.device)
     offsets = chunk_offsets(cu) if offsets is None else offsets
     _launch_scan(
@@ -212,8 +206,7 @@ def chunk_state(
         (contiguous(W), contiguous(U), contiguous(Kend), Gl, h0, final, Hin, E,
          None if norms is None else norms[1], cu, offsets, HV),
         dict(K=K, V=V, BK=pow2(K), BV=BV, BT=BT, USE_H0=h0 is not None, STORE_FINAL=final is not None,
-             STORE_STATES=store_states, PREC_SCAN=precision.scan, DT=compute_dtype(Gl), NORMS=norms is not None,
-             **launch("scan")),
+             PREC_SCAN=precision.scan, DT=compute_dtype(Gl), NORMS=norms is not None, **launch("scan")),
     )  # fmt: skip
     return Hin, E
 
