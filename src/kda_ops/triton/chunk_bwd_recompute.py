@@ -29,6 +29,7 @@ from kda_ops.common import Options, state_dtype
 from kda_ops.triton.chunk_common import BT, Precision, precision_for
 from kda_ops.triton.chunk_prepare import chunk_prepare
 from kda_ops.triton.chunk_state import STATES_IN_STORE_DTYPE, chunk_state
+from kda_ops.triton.launch import Launcher
 from kda_ops.varlen import SlotRows, num_chunk_slots
 
 _NO_OPTIONS = Options()
@@ -120,7 +121,10 @@ def clear_empty_slots(fw: Recomputed, slots: SlotRows) -> None:
     nearly all of which return at once."""
     NC, HV, K = fw.Gl.shape
     KV = fw.Hin.shape[2] * fw.Hin.shape[3]
-    clear_empty_slots_kernel[(NC, HV)](fw.Gl, fw.Hin, slots.count, K, KV, BLOCK=1024, num_warps=4)
+    _launch_clear((NC, HV), (fw.Gl, fw.Hin, slots.count, K, KV), {"BLOCK": 1024, "num_warps": 4})
+
+
+_launch_clear = Launcher(clear_empty_slots_kernel)
 
 
 def recomputed_empty(q: Tensor, v: Tensor, N: int) -> Recomputed:
