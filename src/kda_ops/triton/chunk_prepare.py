@@ -22,6 +22,8 @@ whose slot holds no token returns at once.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -35,6 +37,7 @@ from kda_ops.triton.chunk_common import (
     FACTOR_SPAN,
     NB,
     Precision,
+    cdiv,
     col_mask,
     compute_dtype,
     contiguous,
@@ -95,6 +98,7 @@ def chunk_prepare_kernel(
     i_h = i_hv // (HV // H)
     count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
     if count == 0:
+        tl.store(Flag + i_c.to(tl.int64) * HV + i_hv, 0)  # read by the block pass
         return
     if FOLD:  # the l2norm factors from the key loop's own loads, applied after it
         rq = 1.0
@@ -146,39 +150,84 @@ def chunk_prepare_kernel(
 
 
 @triton.jit
-def chunk_prepare_blocks_kernel(
-    q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm, Rqk, slot_start, slot_count, scale,
+def blocks_chunk(
+    i_c, i_hv, q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Nrm, Rqk, slot_start, slot_count, scale,
     lower_bound, H, HV, T, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
     BC: tl.constexpr, BT: tl.constexpr, USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr,
     USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
     PREC_INTRA: tl.constexpr, PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr, DT: tl.constexpr,
-    STORE_TM: tl.constexpr, SPAN: tl.constexpr, CHECK_FLAG: tl.constexpr, FOLD: tl.constexpr,
-    GIVEN_NORMS: tl.constexpr,
+    STORE_TM: tl.constexpr, SPAN: tl.constexpr, FOLD: tl.constexpr, GIVEN_NORMS: tl.constexpr,
 ):  # fmt: skip
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    """Stages 1-3 of chunk slot ``i_c``, value head ``i_hv`` by the block path (nothing for an empty slot)."""
     i_h = i_hv // (HV // H)
     count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
-    if count == 0:
-        return
+    if count > 0:
+        if GIVEN_NORMS:
+            rq, rk = given_norms(Rqk, tok, m, i_h, H, T, DT)
+        else:
+            rq, rk = qk_norms(q, k, tok, m, i_h, H, K, BK, BT, USE_L2NORM, DT)
+        Mqk2 = tl.zeros((BT, BT), dtype=DT)
+        Mkk2 = tl.zeros((BT, BT), dtype=DT)
+        for i_k in range(tl.cdiv(K, BK)):
+            qs, kk, g2, E = key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, W, tok, m, i_c, i_h, i_hv, H, HV, scale,
+                                     lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT,
+                                     False)  # fmt: skip
+            Mqk2, Mkk2 = intra_blocks(qs, kk, g2, Mqk2, Mkk2, NB, BC, BT, BK, PREC_INTRA, DT, SPAN)
+        if FOLD:  # this kernel stores normalised factors: unit factors for its chunk's rows
+            one = tl.full((BT,), 1.0, DT)
+            tl.store(Nrm + tok * HV + i_hv, one, mask=m)
+            tl.store(Nrm + (T + tok) * HV + i_hv, one, mask=m)
+        solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, Tm, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT, BETA_SIGMOID,
+                        NEG_EIGVAL, PREC_SOLVE, PREC_WY, DT, STORE_TM, 1.0, 1.0, False)  # fmt: skip
+
+
+@triton.jit
+def chunk_prepare_blocks_kernel(
+    q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm, Rqk, slot_start, slot_count, scale,
+    lower_bound, H, HV, T, NI, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr,
+    USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC_INTRA: tl.constexpr, PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr,
+    DT: tl.constexpr, STORE_TM: tl.constexpr, SPAN: tl.constexpr, CHECK_FLAG: tl.constexpr, FOLD: tl.constexpr,
+    GIVEN_NORMS: tl.constexpr, FB: tl.constexpr,
+):  # fmt: skip
     if CHECK_FLAG:
-        if tl.load(Flag + i_c.to(tl.int64) * HV + i_hv) == 0:
-            return
-    if GIVEN_NORMS:
-        rq, rk = given_norms(Rqk, tok, m, i_h, H, T, DT)
+        # A few programs, each reading the flags of its blocks of FB items (item i: slot i // HV, value head i % HV)
+        # at once and running the flagged ones in turn. With no chunk flagged that is one vector load per block,
+        # where a program per item (255 registers, 8 warps: one program per SM at a time) cost ~70 us at T = 32k.
+        lanes = tl.arange(0, FB)
+        for b in range(tl.program_id(0) * FB, NI, tl.num_programs(0) * FB):
+            f = tl.load(Flag + b + lanes, mask=b + lanes < NI, other=0)
+            while tl.max(f, axis=0) != 0:
+                j = tl.min(tl.where(f != 0, lanes, FB), axis=0)
+                blocks_chunk((b + j) // HV, (b + j) % HV, q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl,
+                             Tm, Nrm, Rqk, slot_start, slot_count, scale, lower_bound, H, HV, T, K, V, BK, BV, NB,
+                             BC, BT, USE_L2NORM, USE_GATE, USE_A, USE_BIAS, USE_BOUND, BETA_SIGMOID, NEG_EIGVAL,
+                             PREC_INTRA, PREC_SOLVE, PREC_WY, DT, STORE_TM, SPAN, FOLD, GIVEN_NORMS)  # fmt: skip
+                f = tl.where(lanes == j, 0, f)
     else:
-        rq, rk = qk_norms(q, k, tok, m, i_h, H, K, BK, BT, USE_L2NORM, DT)
-    Mqk2 = tl.zeros((BT, BT), dtype=DT)
-    Mkk2 = tl.zeros((BT, BT), dtype=DT)
-    for i_k in range(tl.cdiv(K, BK)):
-        qs, kk, g2, E = key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, W, tok, m, i_c, i_h, i_hv, H, HV, scale,
-                                 lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT, False)
-        Mqk2, Mkk2 = intra_blocks(qs, kk, g2, Mqk2, Mkk2, NB, BC, BT, BK, PREC_INTRA, DT, SPAN)
-    if FOLD:  # this kernel stores normalised factors: unit factors for its chunk's rows
-        one = tl.full((BT,), 1.0, DT)
-        tl.store(Nrm + tok * HV + i_hv, one, mask=m)
-        tl.store(Nrm + (T + tok) * HV + i_hv, one, mask=m)
-    solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, Tm, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT, BETA_SIGMOID,
-                    NEG_EIGVAL, PREC_SOLVE, PREC_WY, DT, STORE_TM, 1.0, 1.0, False)  # fmt: skip
+        i_c, i_hv = tl.program_id(0), tl.program_id(1)
+        blocks_chunk(i_c, i_hv, q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Nrm, Rqk, slot_start,
+                     slot_count, scale, lower_bound, H, HV, T, K, V, BK, BV, NB, BC, BT, USE_L2NORM, USE_GATE, USE_A,
+                     USE_BIAS, USE_BOUND, BETA_SIGMOID, NEG_EIGVAL, PREC_INTRA, PREC_SOLVE, PREC_WY, DT, STORE_TM,
+                     SPAN, FOLD, GIVEN_NORMS)  # fmt: skip
+
+
+# The block pass after the anchored one: flags read FLAG_BLOCK at a time by at most one program per SM (the kernel
+# holds one program per SM at a time anyway).
+FLAG_BLOCK = 128
+
+
+def flag_programs(device: torch.device) -> int:
+    """Programs of the block pass after the anchored one: one per SM (4 off CUDA: the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 def anchored_path_usable(opts: Options) -> bool:
@@ -260,8 +309,10 @@ def chunk_prepare(
         prefetch = not opts.use_qk_l2norm or fold
         _launch_prepare((NC, HV), args, dict(meta, ASPAN=ANCHOR_SPAN, FOLD=fold, PREFETCH=prefetch,
                                              **launch("prepare", BK=K, BV=V)))  # fmt: skip
-    _launch_blocks((NC, HV), args, dict(meta, SPAN=FACTOR_SPAN, CHECK_FLAG=anchored, FOLD=fold,
-                                        **launch("prepare_blocks", BK=K, BV=V)))  # fmt: skip
+    blocks_meta = dict(meta, SPAN=FACTOR_SPAN, CHECK_FLAG=anchored, FOLD=fold, FB=FLAG_BLOCK,
+                       **launch("prepare_blocks", BK=K, BV=V))  # fmt: skip
+    grid = (min(cdiv(NC * HV, FLAG_BLOCK), flag_programs(q.device)),) if anchored else (NC, HV)
+    _launch_blocks(grid, (*args, NC * HV), blocks_meta)
     return Mqk, W, U, Qt, Kend, Gl, Tm, Nrm
 
 
