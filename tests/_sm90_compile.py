@@ -106,7 +106,7 @@ def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
                  BK=32 if blocks else 64, BV=min(V, 64), NB=4, BC=16, BT=64, USE_L2NORM=True, USE_GATE=gate,
                  USE_A=gate, USE_BIAS=gate, USE_BOUND=False, BETA_SIGMOID=gate, NEG_EIGVAL=gate,
                  PREC_INTRA=prec[0], PREC_SOLVE=prec[1], PREC_WY=prec[2], DT=dt, STORE_TM=False)  # fmt: skip
-        a.update({"SPAN": 80.0, "CHECK_FLAG": True, "NI": 4096, "FB": 128} if blocks
+        a.update({"SPAN": 80.0, "CHECK_FLAG": True, "NI": 4096, "FB": 128, "FLAG_LOOP": True} if blocks
                  else {"ASPAN": 80.0, "PREFETCH": fold})  # fmt: skip
         a["FOLD"] = fold
         a["GIVEN_NORMS"] = False

@@ -12,12 +12,13 @@ Two kernels share the work (``chunk_intra`` explains the two paths):
 - :func:`chunk_prepare_kernel` takes the anchored path for every key tile: one tensor-core product per tile, no
   16-row blocks, few registers. A chunk whose decays span too far for it (``|Gam - Gam_mid| > 80`` nats
   somewhere) is flagged and left alone.
-- :func:`chunk_prepare_blocks_kernel` redoes the flagged chunks by the block path (and returns at once for the
-  others). When the options bound the gate below ``-2.5`` nats per token (``lower_bound``), where the anchored path
-  would often fail, it runs alone, for every chunk, and the first kernel is not launched.
+- :func:`chunk_prepare_blocks_kernel` redoes the flagged chunks by the block path: at most one program per SM
+  reads the flags :data:`FLAG_BLOCK` at a time and runs the flagged chunks in turn. When the options bound the gate
+  below ``-2.5`` nats per token (``lower_bound``), where the anchored path would often fail, it runs alone, a
+  program per chunk, and the first kernel is not launched.
 
-The grid is the static chunk-slot map (:func:`kda_ops.varlen.chunk_slots`): ``cdiv(T, BT) + N`` slots, a program
-whose slot holds no token returns at once.
+The grid of a program per chunk is the static chunk-slot map (:func:`kda_ops.varlen.chunk_slots`): ``cdiv(T, BT)
++ N`` slots, a program whose slot holds no token returns at once (the anchored kernel first writes its flag 0).
 """
 
 from __future__ import annotations
@@ -189,12 +190,12 @@ def chunk_prepare_blocks_kernel(
     USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr,
     NEG_EIGVAL: tl.constexpr, PREC_INTRA: tl.constexpr, PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr,
     DT: tl.constexpr, STORE_TM: tl.constexpr, SPAN: tl.constexpr, CHECK_FLAG: tl.constexpr, FOLD: tl.constexpr,
-    GIVEN_NORMS: tl.constexpr, FB: tl.constexpr,
+    GIVEN_NORMS: tl.constexpr, FB: tl.constexpr, FLAG_LOOP: tl.constexpr,
 ):  # fmt: skip
-    if CHECK_FLAG:
+    if CHECK_FLAG and FLAG_LOOP:
         # A few programs, each reading the flags of its blocks of FB items (item i: slot i // HV, value head i % HV)
         # at once and running the flagged ones in turn. With no chunk flagged that is one vector load per block,
-        # where a program per item (255 registers, 8 warps: one program per SM at a time) cost ~70 us at T = 32k.
+        # where a program per item (255 registers, 8 warps: one program per SM at a time) cost ~45 us at T = 32k.
         lanes = tl.arange(0, FB)
         for b in range(tl.program_id(0) * FB, NI, tl.num_programs(0) * FB):
             f = tl.load(Flag + b + lanes, mask=b + lanes < NI, other=0)
@@ -205,12 +206,17 @@ def chunk_prepare_blocks_kernel(
                              BC, BT, USE_L2NORM, USE_GATE, USE_A, USE_BIAS, USE_BOUND, BETA_SIGMOID, NEG_EIGVAL,
                              PREC_INTRA, PREC_SOLVE, PREC_WY, DT, STORE_TM, SPAN, FOLD, GIVEN_NORMS)  # fmt: skip
                 f = tl.where(lanes == j, 0, f)
-    else:
+    else:  # a program per item (every item without CHECK_FLAG)
         i_c, i_hv = tl.program_id(0), tl.program_id(1)
-        blocks_chunk(i_c, i_hv, q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Nrm, Rqk, slot_start,
-                     slot_count, scale, lower_bound, H, HV, T, K, V, BK, BV, NB, BC, BT, USE_L2NORM, USE_GATE, USE_A,
-                     USE_BIAS, USE_BOUND, BETA_SIGMOID, NEG_EIGVAL, PREC_INTRA, PREC_SOLVE, PREC_WY, DT, STORE_TM,
-                     SPAN, FOLD, GIVEN_NORMS)  # fmt: skip
+        if CHECK_FLAG:
+            run = tl.load(Flag + i_c.to(tl.int64) * HV + i_hv) != 0
+        else:
+            run = True
+        if run:
+            blocks_chunk(i_c, i_hv, q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Nrm, Rqk,
+                         slot_start, slot_count, scale, lower_bound, H, HV, T, K, V, BK, BV, NB, BC, BT, USE_L2NORM,
+                         USE_GATE, USE_A, USE_BIAS, USE_BOUND, BETA_SIGMOID, NEG_EIGVAL, PREC_INTRA, PREC_SOLVE,
+                         PREC_WY, DT, STORE_TM, SPAN, FOLD, GIVEN_NORMS)  # fmt: skip
 
 
 # The block pass after the anchored one: flags read FLAG_BLOCK at a time by at most one program per SM (the kernel
@@ -309,9 +315,12 @@ def chunk_prepare(
         prefetch = not opts.use_qk_l2norm or fold
         _launch_prepare((NC, HV), args, dict(meta, ASPAN=ANCHOR_SPAN, FOLD=fold, PREFETCH=prefetch,
                                              **launch("prepare", BK=K, BV=V)))  # fmt: skip
-    blocks_meta = dict(meta, SPAN=FACTOR_SPAN, CHECK_FLAG=anchored, FOLD=fold, FB=FLAG_BLOCK,
+    # the flag loop in the forward; the backward's recompute keeps a program per item (its form of the loop spills
+    # 272 B per thread with triton 3.9, over the backward's bound)
+    flag_loop = anchored and not store_tm
+    blocks_meta = dict(meta, SPAN=FACTOR_SPAN, CHECK_FLAG=anchored, FOLD=fold, FB=FLAG_BLOCK, FLAG_LOOP=flag_loop,
                        **launch("prepare_blocks", BK=K, BV=V))  # fmt: skip
-    grid = (min(cdiv(NC * HV, FLAG_BLOCK), flag_programs(q.device)),) if anchored else (NC, HV)
+    grid = (min(cdiv(NC * HV, FLAG_BLOCK), flag_programs(q.device)),) if flag_loop else (NC, HV)
     _launch_blocks(grid, (*args, NC * HV), blocks_meta)
     return Mqk, W, U, Qt, Kend, Gl, Tm, Nrm
 
