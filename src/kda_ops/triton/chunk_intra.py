@@ -211,6 +211,18 @@ def qk_norms(q, k, tok, m, i_h, H, K: tl.constexpr, BK: tl.constexpr, BT: tl.con
 
 
 @triton.jit
+def chunk_norms(q, k, Rqk, tok, m, i_h, H, T, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+                USE_L2NORM: tl.constexpr, GIVEN_NORMS: tl.constexpr, DT: tl.constexpr):
+    """The l2norm factors of the chunk's q and k rows, ``[BT, 1]``: read from ``Rqk`` (``GIVEN_NORMS``, see
+    :func:`given_norms`) or computed (:func:`qk_norms`)."""
+    if GIVEN_NORMS:
+        rq, rk = given_norms(Rqk, tok, m, i_h, H, T, DT)
+    else:
+        rq, rk = qk_norms(q, k, tok, m, i_h, H, K, BK, BT, USE_L2NORM, DT)
+    return rq, rk
+
+
+@triton.jit
 def given_norms(Rqk, tok, m, i_h, H, T, DT: tl.constexpr):
     """The l2norm factors of the chunk's q and k rows, ``[BT, 1]``, read from ``Rqk [2, T, H]`` (computed before the
     kernel, ``kda_ops.triton.l2norm.l2norm_factors``)."""
@@ -330,6 +342,7 @@ __all__ = [
     "key_loads",
     "key_tile",
     "on_diagonal",
+    "chunk_norms",
     "given_norms",
     "qk_norms",
     "row_span",

@@ -50,14 +50,13 @@ from kda_ops.triton.chunk_common import (
 )
 from kda_ops.triton.chunk_cumsum import gate_flags
 from kda_ops.triton.chunk_intra import (
-    given_norms,
+    chunk_norms,
     intra_anchored,
     intra_blocks,
     intra_masks,
     key_compute,
     key_loads,
     key_tile,
-    qk_norms,
     row_span,
 )
 from kda_ops.triton.chunk_solve import solve_wy
@@ -106,10 +105,8 @@ def chunk_prepare_kernel(
         rk = 1.0
         ssq = tl.zeros((BT,), dtype=DT)
         ssk = tl.zeros((BT,), dtype=DT)
-    elif GIVEN_NORMS:
-        rq, rk = given_norms(Rqk, tok, m, i_h, H, T, DT)
     else:
-        rq, rk = qk_norms(q, k, tok, m, i_h, H, K, BK, BT, USE_L2NORM, DT)
+        rq, rk = chunk_norms(q, k, Rqk, tok, m, i_h, H, T, K, BK, BT, USE_L2NORM, GIVEN_NORMS, DT)
     # stages 1-2: decays, Qt, Kend, Gam_last (stored) and Mqk, Mkk (registers), anchored at the middle row
     Mqk2 = tl.zeros((BT, BT), dtype=DT)
     Mkk2 = tl.zeros((BT, BT), dtype=DT)
@@ -163,10 +160,7 @@ def blocks_chunk(
     i_h = i_hv // (HV // H)
     count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
     if count > 0:
-        if GIVEN_NORMS:
-            rq, rk = given_norms(Rqk, tok, m, i_h, H, T, DT)
-        else:
-            rq, rk = qk_norms(q, k, tok, m, i_h, H, K, BK, BT, USE_L2NORM, DT)
+        rq, rk = chunk_norms(q, k, Rqk, tok, m, i_h, H, T, K, BK, BT, USE_L2NORM, GIVEN_NORMS, DT)
         Mqk2 = tl.zeros((BT, BT), dtype=DT)
         Mkk2 = tl.zeros((BT, BT), dtype=DT)
         for i_k in range(tl.cdiv(K, BK)):
