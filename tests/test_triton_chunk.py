@@ -216,8 +216,9 @@ def test_stage_solve(gates: str, option: str) -> None:
 def test_stage_prepare(gates: str, option: str, tol: float) -> None:
     """The fused stages 1-3 (``chunk_prepare``) against each stage's float64 oracle, with and without ``store_tm``
     (the backward's recompute: ``Tm`` out, ``Mqk`` in fp32), every output poisoned first. The cases take the
-    anchored kernel's two key loops (without l2norm the key tiles load one step ahead) and, with hard resets, the
-    block kernel for the flagged chunks. K = 70: three key tiles, the last one partial. Without l2norm the keys'
+    anchored kernel's two key loops (without l2norm the key tiles load one step ahead); the "reset" case with
+    the in-kernel gate flags no chunk (g is the gate's input there), the flagged chunks' block pass is tested by
+    the flag-loop test below. K = 70: three key tiles, the last one partial. Without l2norm the keys'
     norms (~8) make the solve ill-conditioned: the staged stages measure the same 1.9e-5 on W as the fused kernel."""
     c = _stage_case(torch.float32, gates, option, K=70)
     f, p = c["flat"], c["p"]
@@ -242,6 +243,18 @@ def test_stage_prepare(gates: str, option: str, tol: float) -> None:
             assert_rel(got[6], Tm, tol, "Tm")
         else:
             assert got[6] is None
+
+
+@pytest.mark.parametrize("gates", ["reset", "strong"])
+def test_block_pass_flag_loop_over_blocks_and_programs(gates: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The block pass after the anchored kernel reads the flags FLAG_BLOCK at a time: with 2 per block, the 14
+    (slot, head) items of the stage case (two empty slots) span 7 blocks over the 4 programs the launch uses off
+    CUDA. Log decays given as such (no in-kernel gate) flag slots 0, 1 and 4 with hard resets, slots 1 and 4 with
+    strong decay, so program 0 walks two blocks and blocks hold two flagged items. Every output against the float64
+    oracle, poisoned first (a flagged chunk left undone stays NaN)."""
+    monkeypatch.setattr(ti_prepare, "FLAG_BLOCK", 2)
+    assert ti_prepare.flag_programs(torch.device("cpu")) == 4
+    test_stage_prepare(gates, "l2norm", 1e-5)
 
 
 @pytest.mark.parametrize("entry", [1.0, -0.3], ids=["alternating_inverse", "growing_inverse"])
