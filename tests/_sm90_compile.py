@@ -106,8 +106,8 @@ def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
                  BK=32 if blocks else 64, BV=min(V, 64), NB=4, BC=16, BT=64, USE_L2NORM=True, USE_GATE=gate,
                  USE_A=gate, USE_BIAS=gate, USE_BOUND=False, BETA_SIGMOID=gate, NEG_EIGVAL=gate,
                  PREC_INTRA=prec[0], PREC_SOLVE=prec[1], PREC_WY=prec[2], DT=dt, STORE_TM=False)  # fmt: skip
-        a.update({"SPAN": 80.0, "CHECK_FLAG": True, "NI": 4096, "FB": 128, "FLAG_LOOP": True} if blocks
-                 else {"ASPAN": 80.0, "PREFETCH": fold})  # fmt: skip
+        flags = {"NI": 4096, "FB": chunk_prepare.FLAG_BLOCK, "FLAG_LOOP": True}
+        a.update({"SPAN": 80.0, "CHECK_FLAG": True, **flags} if blocks else {"ASPAN": 80.0, "PREFETCH": fold})
         a["FOLD"] = fold
         a["GIVEN_NORMS"] = False
         return a
@@ -183,9 +183,9 @@ def backward_launches() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
     def record(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
         calls.append((self, args, kwargs))
 
-    num_sms = scan._num_sms
+    num_sms = scan.num_sms
     JITFunction.run = record  # type: ignore[method-assign]
-    scan._num_sms = lambda device: 132  # type: ignore[assignment]  # the scan's value tile follows the SM count
+    scan.num_sms = lambda device: 132  # type: ignore[assignment]  # the scan's value tile follows the SM count
     try:
         x = make_inputs(1, 128, 32, 128, 128, dtype=BF)
         do = torch.randn(1, 128, 32, 128, dtype=BF)
@@ -193,7 +193,7 @@ def backward_launches() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
                              torch.zeros(1, 32, 128, 128), None, None, None, Options(use_qk_l2norm=True))  # fmt: skip
     finally:
         JITFunction.run = original  # type: ignore[method-assign]
-        scan._num_sms = num_sms  # type: ignore[assignment]
+        scan.num_sms = num_sms  # type: ignore[assignment]
     out: dict[str, tuple[Any, dict[str, Any], int, int]] = {}
     for fn, args, kwargs in calls:
         meta = dict(kwargs)

@@ -15,6 +15,7 @@ dtype of the per-chunk factors; :func:`precision_for` gives the default for an i
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
@@ -109,6 +110,19 @@ def pow2(n: int, lo: int = 16) -> int:
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for host code (see :func:`pow2`)."""
     return -(-a // b)
+
+
+def num_sms(device: torch.device) -> int:
+    """The SM count of CUDA ``device`` (its index, else the current device), 1 off CUDA; cached per device index, so
+    that a launch pays a dict lookup."""
+    if device.type != "cuda":
+        return 1
+    return _sm_count(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,6 @@ The grid of a program per chunk is the static chunk-slot map (:func:`kda_ops.var
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -44,6 +42,7 @@ from kda_ops.triton.chunk_common import (
     contiguous,
     launch,
     load_beta2,
+    num_sms,
     rnorm,
     slot_rows,
     store2,
@@ -219,15 +218,9 @@ FLAG_BLOCK = 128
 
 
 def flag_programs(device: torch.device) -> int:
-    """Programs of the block pass after the anchored one: one per SM (4 off CUDA: the interpreter)."""
-    if device.type != "cuda":
-        return 4
-    return _sm_count(torch.cuda.current_device() if device.index is None else device.index)
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+    """Programs of the block pass after the anchored one: one per SM; 4 off CUDA, so that the interpreter's tests
+    take a program over several blocks of flags."""
+    return num_sms(device) if device.type == "cuda" else 4
 
 
 def anchored_path_usable(opts: Options) -> bool:

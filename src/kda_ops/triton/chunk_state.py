@@ -21,8 +21,6 @@ for the machine's SMs) against re-reading ``W`` and ``Kend`` once per tile (from
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -39,6 +37,7 @@ from kda_ops.triton.chunk_common import (
     launch,
     load2,
     mm,
+    num_sms,
     pow2,
     row_factors,
     scale_rows,
@@ -67,13 +66,6 @@ BV_CHOICES = (64, 32)
 MIN_PROGRAMS_PER_SM = 0.8
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
-
-
 def block_v_choices(V: int) -> list[int]:
     """The value tiles the scan may use for head dimension ``V`` (largest first)."""
     return [bv for bv in BV_CHOICES if bv <= pow2(V)] or [BV_CHOICES[-1]]
@@ -85,7 +77,7 @@ def scan_block_v(V: int, programs: int, device: torch.device) -> int:
         return BV_OVERRIDE
     choices = block_v_choices(V)
     for bv in choices:
-        if cdiv(V, bv) * programs >= MIN_PROGRAMS_PER_SM * _num_sms(device):
+        if cdiv(V, bv) * programs >= MIN_PROGRAMS_PER_SM * num_sms(device):
             return bv
     return choices[-1]
 
