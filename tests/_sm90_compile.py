@@ -98,9 +98,10 @@ def resources(compiled: Any) -> dict[str, Any]:
 def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
     def prepare(blocks: bool, K: int = 128, V: int = 128, x: torch.dtype = BF, store: torch.dtype = BF,
                 prec: tuple[str, str, str] = ("tf32", "tf32", "tf32"), dt: Any = tl.float32,
-                gate: bool = False, fold: bool = False) -> dict[str, Any]:  # fmt: skip
+                gate: bool = False, fold: bool = False, wy: bool = True) -> dict[str, Any]:  # fmt: skip
         a = dict(q=x, k=x, v=x, g=F32, beta=x, A_log=F32 if gate else None, dt_bias=F32 if gate else None,
-                 Mqk=store, W=store, U=store, Qt=store, Kend=store, Gl=F32 if dt == tl.float32 else F64, Tm=None,
+                 Mqk=store, W=store, U=store if wy else None, Qt=store, Kend=store,
+                 Gl=F32 if dt == tl.float32 else F64, Tm=None,
                  Flag=I32, Nrm=F32 if fold else None, Rqk=None, T=1000,
                  slot_start=I64, slot_count=I64, scale=0.1, lower_bound=0.0, H=2, HV=32, K=K, V=V,
                  BK=32 if blocks else 64, BV=min(V, 64), NB=4, BC=16, BT=64, USE_L2NORM=True, USE_GATE=gate,
@@ -110,14 +111,15 @@ def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
         a.update({"SPAN": 80.0, "CHECK_FLAG": True, **flags} if blocks else {"ASPAN": 80.0, "PREFETCH": fold})
         a["FOLD"] = fold
         a["GIVEN_NORMS"] = False
+        a["WY"] = wy
         return a
 
-    def scan(K: int, V: int, BV: int, store: torch.dtype = BF, prec: str = "bf16",
-             norms: bool = False) -> dict[str, Any]:  # fmt: skip
-        return dict(W=store, U=store, Kend=store, Gl=F32, h0=F32, final=F32, Hin=store, E=store,
-                    Nk=F32 if norms else None, cu=I64, chunk_off=I64, HV=32, K=K, V=V,
+    def scan(K: int, V: int, BV: int, store: torch.dtype = BF, prec: str = "bf16", norms: bool = False,
+             x_form: bool = False) -> dict[str, Any]:  # fmt: skip
+        return dict(W=store, U=store, Kend=store, Gl=F32, h0=F32, final=F32, Hin=store,
+                    E=store, Nk=F32 if norms else None, cu=I64, chunk_off=I64, HV=32, K=K, V=V,
                     BK=max(16, triton.next_power_of_2(K)), BV=BV, BT=64, USE_H0=True, STORE_FINAL=True,
-                    PREC_SCAN=prec, DT=tl.float32, NORMS=norms)  # fmt: skip
+                    PREC_SCAN=prec, DT=tl.float32, NORMS=norms, X_FORM=x_form)  # fmt: skip
 
     stage = dict(slot_start=I64, slot_count=I64, lower_bound=0.0, HV=32, BT=64, USE_GATE=True, USE_A=True,
                  USE_BIAS=True, USE_BOUND=False, DT=tl.float32)  # fmt: skip
@@ -128,7 +130,13 @@ def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
                                                          prepare(False, fold=True), 8, 1),
         "prepare blocks bf16 K=V=128 folded l2norm": (chunk_prepare.chunk_prepare_blocks_kernel,
                                                       prepare(True, fold=True), 8, 1),
+        "prepare anchored bf16 K=V=128 folded l2norm, X form": (chunk_prepare.chunk_prepare_kernel,
+                                                                 prepare(False, fold=True, wy=False), 8, 1),
+        "prepare blocks bf16 K=V=128 folded l2norm, X form": (chunk_prepare.chunk_prepare_blocks_kernel,
+                                                              prepare(True, fold=True, wy=False), 8, 1),
         "scan bf16 K=V=128 BV=32 norms": (chunk_state.chunk_state_kernel, scan(128, 128, 32, norms=True), 8, 1),
+        "scan bf16 K=V=128 BV=32 norms X form": (chunk_state.chunk_state_kernel,
+                                                 scan(128, 128, 32, norms=True, x_form=True), 8, 1),
         "output norms": (chunk_output.chunk_output_kernel, dict(Qt=BF, Mqk=BF, Hin=BF, E=BF, o=BF, Nq=F32,
                          slot_start=I64, slot_count=I64, HV=32, K=128, V=128, BK=128, BV=64, BT=64, PREC="bf16",
                          DT=tl.float32, NORMS=True), 4, 1),

@@ -243,6 +243,17 @@ def test_stage_prepare(gates: str, option: str, tol: float) -> None:
             assert_rel(got[6], Tm, tol, "Tm")
         else:
             assert got[6] is None
+    # the forward's X form: Mqk Tb, Kt, Qt and Kb = Tb^T Kend; neither U nor Tm
+    MqkTb, Kb = oracle.x_form(Mqk, Kend, Tm, p["beta"], c["slots"], BT)
+    with poison_outputs():
+        got = chunk_prepare(f["q"], f["k"], f["v"], f["g"], f["beta"], 0.4, c["slots"], c["A_log"], c["dt_bias"],
+                            c["opts"], EXACT, wy=False)  # fmt: skip
+    assert got[2] is None and got[6] is None
+    nq, nk = (got[7][0, :, :, None], got[7][1, :, :, None]) if got[7] is not None else (1.0, 1.0)
+    for name, a, b in zip(("Mqk Tb", "Kt", "Qt", "Kb"), (got[0], got[1] * nk, got[3] * nq, got[4]),
+                          (MqkTb, _kt(c), Qt, Kb)):  # fmt: skip
+        assert_rel(a, b, tol, f"{name} (X form)")
+    assert_rel(got[5][used], Gl[used], 1e-5, "Gam_last (X form)")
 
 
 @pytest.mark.parametrize("gates", ["reset", "strong"])
@@ -282,13 +293,18 @@ def _factors(c: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The float64 oracle's per-chunk factors of a stage case (the inputs of the scan and the output stages)."""
     p = c["p"]
     Mqk, Mkk, Qt, Kend, Gl = oracle.chunk_intra(p["q"], p["k"], p["g"], p["beta"], 0.4, c["slots"], BT)
-    _, W, U = oracle.chunk_solve(Mkk, p["k"], p["v"], p["g"], p["beta"], c["slots"], BT)
-    return {"Mqk": Mqk, "Qt": Qt, "Kend": Kend, "Gl": Gl, "W": W, "U": U}
+    Tm, W, U = oracle.chunk_solve(Mkk, p["k"], p["v"], p["g"], p["beta"], c["slots"], BT)
+    MqkTb, Kb = oracle.x_form(Mqk, Kend, Tm, p["beta"], c["slots"], BT)
+    return {"Mqk": Mqk, "Qt": Qt, "Kend": Kend, "Gl": Gl, "W": W, "U": U, "MqkTb": MqkTb, "Kb": Kb, "Kt": _kt(c),
+            "V": p["v"]}  # fmt: skip
 
 
+@pytest.mark.parametrize("x_form", [False, True], ids=["E_form", "X_form"])
 @pytest.mark.parametrize("tiles", [None, 16])
-def test_stage_state_and_output(tiles: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The scan alone (states and errors stored) and the output stage on its results."""
+def test_stage_state_and_output(tiles: int | None, x_form: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scan alone (states and errors stored) and the output stage on its results. In the X form (the
+    forward's: ``Kt, V, Kb`` in, ``X`` out, ``Mqk Tb`` to the output stage) the states, the final state and the
+    outputs are those of the E form's oracle, and ``X`` that of the oracle scan on the X form's factors."""
     monkeypatch.setattr(ts, "BV_OVERRIDE", tiles)
     c = _stage_case(torch.float32, "reset", "l2norm", V=24)
     fa = _factors(c)
@@ -296,15 +312,18 @@ def test_stage_state_and_output(tiles: int | None, monkeypatch: pytest.MonkeyPat
     h0 = make_state(N, HV, K, V)
     Hin_r, E_r, final_r = oracle.chunk_state(fa["W"], fa["U"], fa["Kend"], fa["Gl"], h0.double(), c["slots"], BT)
     o_r = oracle.chunk_output(fa["Qt"], fa["Mqk"], Hin_r, E_r, c["slots"], BT)
+    if x_form:
+        E_r = oracle.chunk_state(fa["Kt"], fa["V"], fa["Kb"], fa["Gl"], h0.double(), c["slots"], BT)[1]
+    W, U, Kend, Mqk = ("Kt", "V", "Kb", "MqkTb") if x_form else ("W", "U", "Kend", "Mqk")
     f32 = {n: t.float() for n, t in fa.items()}
     final = torch.empty(N, HV, K, V)
-    Hin, E = ts.chunk_state(f32["W"], f32["U"], f32["Kend"], f32["Gl"], h0, c["cu"], EXACT, final=final)
+    Hin, E = ts.chunk_state(f32[W], f32[U], f32[Kend], f32["Gl"], h0, c["cu"], EXACT, final=final, x_form=x_form)
     used = _used(c["slots"])
     assert_rel(Hin[used], Hin_r[used], 1e-5, "Hin")
-    assert_rel(E, E_r, 1e-5, "E")
+    assert_rel(E, E_r, 1e-5, "X" if x_form else "E")
     assert_rel(final, final_r, 1e-5, "final")
     assert torch.equal(final[1], h0[1]), "an empty sequence keeps its initial state"
-    o = chunk_output(f32["Qt"], f32["Mqk"], Hin, E, c["slots"], EXACT, torch.float32)
+    o = chunk_output(f32["Qt"], f32[Mqk], Hin, E, c["slots"], EXACT, torch.float32)
     assert_rel(o, o_r, 1e-5, "o (output stage)")
 
 

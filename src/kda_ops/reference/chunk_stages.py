@@ -100,4 +100,16 @@ def chunk_output(Qt: Tensor, Mqk: Tensor, Hin: Tensor, E: Tensor, slots: ChunkSl
     return _scatter(Qc @ Hin + Mc @ Ec, index, T)
 
 
-__all__ = ["chunk_cumsum", "chunk_intra", "chunk_output", "chunk_solve", "chunk_state", "prepare_flat"]
+def x_form(Mqk: Tensor, Kend: Tensor, Tm: Tensor, beta: Tensor, slots: ChunkSlots, C: int) -> tuple[Tensor, Tensor]:
+    """The forward's X form of the factors (``chunk_prepare`` with ``wy=False``): ``(Mqk Tb [T, HV, C],
+    Kb = Tb^T Kend [T, HV, K])`` per slot, ``Tb = Tm diag(beta)``. Since ``E = U - W S = Tb (V - Kt S)``, the scan
+    of :func:`chunk_state` on ``(Kt, V, Kb)`` carries ``X = V - Kt S`` with ``E = Tb X``, and
+    :func:`chunk_output` on ``(Qt, Mqk Tb, Hin, X)`` gives the same outputs."""
+    T = Mqk.shape[0]
+    index = slot_index(slots, C, T)
+    Mc, Kc, Tc, bc = (_gather(x, index) for x in (Mqk, Kend, Tm, beta))
+    Tb = Tc * bc.unsqueeze(-2)
+    return _scatter(Mc @ Tb, index, T), _scatter(Tb.transpose(-1, -2) @ Kc, index, T)
+
+
+__all__ = ["chunk_cumsum", "chunk_intra", "chunk_output", "chunk_solve", "chunk_state", "prepare_flat", "x_form"]

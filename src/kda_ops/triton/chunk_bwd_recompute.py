@@ -95,7 +95,7 @@ def chunk_bwd_recompute(
     training forward, :func:`~kda_ops.triton.chunk_bwd.chunk_fwd_train`)."""
     Mqk, W, U, Qt, Kend, Gl, Tm, _ = chunk_prepare(q, k, v, g, beta, scale, slots, None, None, _NO_OPTIONS, precision,
                                                 store_tm=True, norms=norms)
-    assert Tm is not None
+    assert Tm is not None and U is not None
     Hin, E = chunk_state(W, U, Kend, Gl, h0, cu, precision, final=final, offsets=offsets)
     return Recomputed(Mqk, Qt, Kend, Gl, Tm, W, Hin, E)
 

@@ -120,6 +120,28 @@ def wy_stored(Tb, v, W, U, tok, m, i_hv, HV, K: tl.constexpr, V: tl.constexpr, B
 
 
 @triton.jit
+def kb_stored(Tb, Kend, tok, m, i_hv, HV, K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
+              nk, FOLD: tl.constexpr):
+    """``Kb = Tb^T diag(nk) Kend`` over ``Kend``'s tiles, in place: ``Kend`` holds the chunk's rows of
+    ``k exp(Gam_last - Gam)`` on entry (stored by this program's key tiles; without their l2norm factors ``nk``
+    when ``FOLD``). The scan's state update ``Kend^T E = Kend^T Tb X = Kb^T X`` then reads it (the "X form",
+    :func:`~kda_ops.triton.chunk_prepare.chunk_prepare` with ``wy=False``)."""
+    NK: tl.constexpr = (K + BK - 1) // BK
+    TbT = tl.trans(Tb)
+    tl.debug_barrier()  # every thread's Kend stores before any thread's loads
+    o_k = tl.arange(0, BK)
+    P = tile2(Kend + i_hv * K, tok, m, HV * K, o_k, col_mask(o_k, K, BK))
+    for i_k in range(NK):
+        # the next tile loads before this one's store (see wy_stored); the last step reloads the last tile
+        o_n = tl.minimum(i_k + 1, NK - 1) * BK + tl.arange(0, BK)
+        P_n = tile2(Kend + i_hv * K, tok, m, HV * K, o_n, col_mask(o_n, K, BK))
+        tl.debug_barrier()  # every thread's loads of this tile before any thread's stores
+        o_k = i_k * BK + tl.arange(0, BK)
+        store2(Kend + i_hv * K, tok, m, HV * K, o_k, col_mask(o_k, K, BK), mm(TbT, scale_rows(P, nk, FOLD), PREC, DT))
+        P = P_n
+
+
+@triton.jit
 def solve_wy(Mkk2, beta2, v, W, U, Tm, tok, m, i_hv, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
              BV: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, PREC_SOLVE: tl.constexpr,
              PREC_WY: tl.constexpr, DT: tl.constexpr, STORE_TM: tl.constexpr, nk, FOLD: tl.constexpr):
@@ -185,4 +207,4 @@ def chunk_solve(
 
 _launch_solve = Launcher(chunk_solve_kernel)
 
-__all__ = ["chunk_solve", "merge_halves", "solve_unit_lower", "solve_wy", "wy_stored"]
+__all__ = ["chunk_solve", "kb_stored", "merge_halves", "solve_unit_lower", "solve_wy", "wy_stored"]

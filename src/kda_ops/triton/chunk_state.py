@@ -6,6 +6,10 @@ the sequence's chunks in order::
     E  = U - W S                                   resolved errors of the chunk       [BT, BV]
     S' = diag(exp(Gam_last)) S + Kend^T E          the state entering the next chunk
 
+or, in the forward's X form (``E = Tb X``, with ``Tb`` folded into ``Kb = Tb^T Kend`` by the prepare kernel)::
+
+    X  = V - Kt S,   S' = diag(exp(Gam_last)) S + Kb^T X
+
 The sequence's bounds come from ``cu_seqlens`` on the device and its chunks are slots ``chunk_off[n] ..`` of the
 chunk-slot map, so the grid is ``N * HV * cdiv(V, BV)`` programs whatever the lengths: one CUDA graph serves every
 ``cu_seqlens`` of one size. The scan stores the state entering each chunk (``Hin [NC, HV, K, V]``) and ``E`` for
@@ -109,7 +113,7 @@ def chunk_state_kernel(
     W, U, Kend, Gl, h0, final, Hin, E, Nk, cu, chunk_off, HV,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr, PREC_SCAN: tl.constexpr, DT: tl.constexpr,
-    NORMS: tl.constexpr,
+    NORMS: tl.constexpr, X_FORM: tl.constexpr,
 ):  # fmt: skip
     # one grid axis (the others stop at 65535), value tiles of one head adjacent: they share W and Kend in L2
     NV: tl.constexpr = (V + BV - 1) // BV
@@ -144,10 +148,16 @@ def chunk_state_kernel(
         c = c0 + j
         w_n, u_n, ke_n, gl_n, nk_n = scan_tiles(W, U, Kend, Gl, Nk, tok + BT, eos, c0, j + 1, n_chunks, i_hv, HV,
                                                 o_k, m_k, o_v, m_v, K, V, BT, DT, NORMS)  # fmt: skip
-        Ec = u - mm(w, S, PREC_SCAN, DT)
+        if X_FORM:  # X = V - diag(nk) Kt S;  S' = exp(Gam_last) S + Kb^T X
+            Ec = u - scale_rows(mm(w, S, PREC_SCAN, DT), nk, NORMS)
+        else:  # E = U - W S;  S' = exp(Gam_last) S + Kend^T diag(nk) E
+            Ec = u - mm(w, S, PREC_SCAN, DT)
         tl.store(Hin + (c * HV + i_hv) * K * V + p_s, S.to(Hin.dtype.element_ty), mask=m_s)
         store2(E + i_hv * V, tok, m, HV * V, o_v, m_v, Ec)
-        S = S * tl.exp(gl)[:, None] + mm(tl.trans(ke), scale_rows(Ec, nk, NORMS), PREC_SCAN, DT)
+        if X_FORM:
+            S = S * tl.exp(gl)[:, None] + mm(tl.trans(ke), Ec, PREC_SCAN, DT)
+        else:
+            S = S * tl.exp(gl)[:, None] + mm(tl.trans(ke), scale_rows(Ec, nk, NORMS), PREC_SCAN, DT)
         tok += BT
         m = tok < eos
         w, u, ke, gl, nk = w_n, u_n, ke_n, gl_n, nk_n
@@ -173,6 +183,7 @@ def chunk_state(
     final: Tensor | None = None,
     offsets: Tensor | None = None,
     norms: Tensor | None = None,
+    x_form: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Run the scan over the chunks of every sequence of ``cu`` (sanitized, int64, over the flat token stream).
 
@@ -182,6 +193,11 @@ def chunk_state(
     compute dtype). ``offsets``: each sequence's first chunk slot (:func:`chunk_offsets` of ``cu`` when not given).
     ``norms [2, T, HV]``: the l2norm factors of the rows of ``Qt`` and ``Kend`` when they were stored without them
     (:func:`~kda_ops.triton.chunk_prepare.chunk_prepare`); the scan reads ``norms[1]``.
+
+    ``x_form`` (the factors of ``chunk_prepare`` with ``wy=False``): ``W`` holds ``Kt``, ``U`` the values ``v``,
+    ``Kend`` holds ``Kb = Tb^T Kend``; the scan carries ``X = V - Kt S`` (``norms[1]`` applied to the rows of
+    ``Kt S``) and ``S' = exp(Gam_last) S + Kb^T X``, and returns ``X`` where it returns ``E`` otherwise
+    (``E = Tb X``).
     """
     T, HV, K = W.shape
     V = U.shape[2]
@@ -198,7 +214,8 @@ def chunk_state(
         (contiguous(W), contiguous(U), contiguous(Kend), Gl, h0, final, Hin, E,
          None if norms is None else norms[1], cu, offsets, HV),
         dict(K=K, V=V, BK=pow2(K), BV=BV, BT=BT, USE_H0=h0 is not None, STORE_FINAL=final is not None,
-             PREC_SCAN=precision.scan, DT=compute_dtype(Gl), NORMS=norms is not None, **launch("scan")),
+             PREC_SCAN=precision.scan, DT=compute_dtype(Gl), NORMS=norms is not None, X_FORM=x_form,
+             **launch("scan")),
     )  # fmt: skip
     return Hin, E
 
