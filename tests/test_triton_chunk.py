@@ -214,46 +214,39 @@ def test_stage_solve(gates: str, option: str) -> None:
     [("normal", "plain", 5e-5), ("normal", "l2norm", 1e-5), ("reset", "all", 1e-5), ("first_row", "l2norm", 1e-5)],
 )
 def test_stage_prepare(gates: str, option: str, tol: float) -> None:
-    """The fused stages 1-3 (``chunk_prepare``) against each stage's float64 oracle, with and without ``store_tm``
-    (the backward's recompute: ``Tm`` out, ``Mqk`` in fp32), every output poisoned first. The cases take the
-    anchored kernel's two key loops (without l2norm the key tiles load one step ahead); the "reset" case with
-    the in-kernel gate flags no chunk (g is the gate's input there), the flagged chunks' block pass is tested by
-    the flag-loop test below. K = 70: three key tiles, the last one partial. Without l2norm the keys'
+    """The fused stages 1-3 (``chunk_prepare``) against each stage's float64 oracle in its two uses, every output
+    poisoned first: the backward's recompute (``store_tm``: ``Mqk`` in fp32, ``W``, ``U``, ``Qt``, ``Kend``, ``Tm``)
+    and the forward's X form (``wy=False``: ``Mqk Tb``, ``Kt``, ``Qt``, ``Kb``; neither ``U`` nor ``Tm``). The
+    cases take the anchored kernel's two key loops (without l2norm the key tiles load one step ahead); the "reset"
+    case with the in-kernel gate flags no chunk (g is the gate's input there), the flagged chunks' block pass is
+    tested by the flag-loop test below. K = 70: three key tiles, the last one partial. Without l2norm the keys'
     norms (~8) make the solve ill-conditioned: the staged stages measure the same 1.9e-5 on W as the fused kernel."""
     c = _stage_case(torch.float32, gates, option, K=70)
     f, p = c["flat"], c["p"]
     Mqk, Mkk, Qt, Kend, Gl = oracle.chunk_intra(p["q"], p["k"], p["g"], p["beta"], 0.4, c["slots"], BT)
     Tm, W, U = oracle.chunk_solve(Mkk, p["k"], p["v"], p["g"], p["beta"], c["slots"], BT)
+    MqkTb, Kb = oracle.x_form(Mqk, Kend, Tm, p["beta"], c["slots"], BT)
     used = _used(c["slots"])
-    for store_tm in (False, True):
+    folded = c["opts"].use_qk_l2norm and ti_prepare.FOLD_NORMS and ti_prepare.anchored_path_usable(c["opts"])
+    for wy in (True, False):
         with poison_outputs():
             got = chunk_prepare(f["q"], f["k"], f["v"], f["g"], f["beta"], 0.4, c["slots"], c["A_log"],
-                                c["dt_bias"], c["opts"], EXACT, store_tm=store_tm)  # fmt: skip
+                                c["dt_bias"], c["opts"], EXACT, store_tm=wy, wy=wy)  # fmt: skip
         Nrm = got[7]
-        folded = c["opts"].use_qk_l2norm and ti_prepare.FOLD_NORMS and ti_prepare.anchored_path_usable(c["opts"])
         assert (Nrm is not None) == folded
-        # with the l2norm folded, Qt and Kend come without their rows' factors: applied here
+        # with the l2norm folded, Qt, Kend (and Kt in the X form) come without their rows' factors: applied here
         nq, nk = (Nrm[0, :, :, None], Nrm[1, :, :, None]) if Nrm is not None else (1.0, 1.0)
-        for name, a, b in zip(("Mqk", "W", "U", "Qt", "Kend"), (*got[:3], got[3] * nq, got[4] * nk),
-                              (Mqk, W, U, Qt, Kend)):  # fmt: skip
-            assert_rel(a, b, tol, name)
-        assert_rel(got[5][used], Gl[used], 1e-5, "Gam_last")
-        if store_tm:
-            assert got[0].dtype == torch.float32 and got[6] is not None
-            assert_rel(got[6], Tm, tol, "Tm")
+        if wy:
+            assert got[0].dtype == torch.float32 and got[2] is not None and got[6] is not None
+            names, outs, refs = ("Mqk", "W", "U", "Qt", "Kend", "Tm"), (*got[:3], got[3] * nq, got[4] * nk, got[6]), (
+                Mqk, W, U, Qt, Kend, Tm)  # fmt: skip
         else:
-            assert got[6] is None
-    # the forward's X form: Mqk Tb, Kt, Qt and Kb = Tb^T Kend; neither U nor Tm
-    MqkTb, Kb = oracle.x_form(Mqk, Kend, Tm, p["beta"], c["slots"], BT)
-    with poison_outputs():
-        got = chunk_prepare(f["q"], f["k"], f["v"], f["g"], f["beta"], 0.4, c["slots"], c["A_log"], c["dt_bias"],
-                            c["opts"], EXACT, wy=False)  # fmt: skip
-    assert got[2] is None and got[6] is None
-    nq, nk = (got[7][0, :, :, None], got[7][1, :, :, None]) if got[7] is not None else (1.0, 1.0)
-    for name, a, b in zip(("Mqk Tb", "Kt", "Qt", "Kb"), (got[0], got[1] * nk, got[3] * nq, got[4]),
-                          (MqkTb, _kt(c), Qt, Kb)):  # fmt: skip
-        assert_rel(a, b, tol, f"{name} (X form)")
-    assert_rel(got[5][used], Gl[used], 1e-5, "Gam_last (X form)")
+            assert got[2] is None and got[6] is None
+            names, outs, refs = ("Mqk Tb", "Kt", "Qt", "Kb"), (got[0], got[1] * nk, got[3] * nq, got[4]), (
+                MqkTb, _kt(c), Qt, Kb)  # fmt: skip
+        for name, a, b in zip(names, outs, refs):
+            assert_rel(a, b, tol, f"{name} ({'recompute' if wy else 'X form'})")
+        assert_rel(got[5][used], Gl[used], 1e-5, "Gam_last")
 
 
 @pytest.mark.parametrize("gates", ["reset", "strong"])
