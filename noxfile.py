@@ -78,7 +78,7 @@ def _install_package(session: nox.Session, target: str = ".") -> None:
 def tests(session: nox.Session, torch: str, triton: str | None, numpy: str | None) -> None:
     """The test suite on the CPU: reference kernels, ops, compile/export, and Triton kernels under the interpreter."""
     session.install(*_torch(torch))
-    session.install("pytest", *([f"triton=={triton}"] if triton else []), *([numpy] if numpy else []))
+    session.install("pytest", "pytest-xdist", *([f"triton=={triton}"] if triton else []), *([numpy] if numpy else []))
     _install_package(session)
     if not triton:  # this row checks the package without triton: make sure nothing brought it in
         session.run(
@@ -86,7 +86,9 @@ def tests(session: nox.Session, torch: str, triton: str | None, numpy: str | Non
             "-c",
             "import importlib.util, sys; sys.exit(importlib.util.find_spec('triton') and 'triton is installed')",
         )
-    session.run("python", "-m", "pytest", "-q", "tests", *session.posargs, env={"TRITON_INTERPRET": "1"})
+    # one worker per core (at most 4): the interpreter runs each test on one core, and CI has two
+    workers = ["-n", str(min(4, os.cpu_count() or 1))]
+    session.run("python", "-m", "pytest", "-q", *workers, "tests", *session.posargs, env={"TRITON_INTERPRET": "1"})
 
 
 @nox.session
