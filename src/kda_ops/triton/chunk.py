@@ -93,9 +93,9 @@ def chunk_fwd(
     slots = slot_map(cu_seqlens, B, T, v.device)
     cu = slots.cu
     poison(o, final)
-    # stages 1-3, fused per chunk: Gam; Mqk, Mkk, Qt, Kend; Tm = (I + Mkk)^-1, W = Tm beta Kt, U = Tm beta V
+    # stages 1-3, fused per chunk: Gam; Mqk, Mkk, Qt, Kend; Tm = (I + Mkk)^-1, W = Tm beta Kt, U = Tm beta V; in the
+    # X form Mqk Tb, Kt, Qt, Kb = Tb^T Kend (Tb = Tm diag(beta)) and neither W nor U
     vf = _flat(v)
-    # stages 1-3; in the X form: Mqk Tb, Kt, Qt, Kb = Tb^T Kend (Tb = Tm diag(beta)), neither W nor U formed
     Mqk, W, U, Qt, Kend, Gl, _, Nrm = chunk_prepare(
         _flat(q), _flat(k), vf, _flat(g), _flat(beta), scale, slots, _opt(A_log), _opt(dt_bias), opts, p,
         wy=not X_FORM,
