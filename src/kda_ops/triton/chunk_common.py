@@ -53,8 +53,8 @@ LAUNCH: dict[str, dict[str, int]] = {
     "prepare": {"num_warps": 4, "num_stages": 1, "BK": 32, "BV": 64},
     "prepare_blocks": {"num_warps": 8, "num_stages": 1, "BK": 16, "BV": 64},
     "scan": {"num_warps": 8, "num_stages": 1},
-    # output: BV 128 with 16-bit states (122 registers, 72 KB shared at K = 128); chunk_output caps it at 64 for
-    # fp32 states. B1 T32768 H32 bf16 on the H200 (2026-11-30): BV 128 / 4 warps 0.436 ms, BV 64 / 4 warps 0.460,
+    # output: BV 128 with 16-bit states and K <= 128 (122 registers, 72 KB shared at K = 128); chunk_output caps it
+    # at 64 elsewhere. B1 T32768 H32 bf16 on the H200 (2026-11-30): BV 128 / 4 warps 0.436 ms, BV 64 / 4 warps 0.460,
     # BV 64 / 8 warps 0.510, BV 128 / 8 warps 0.500, BV 32 / 4 warps 0.836.
     "output": {"num_warps": 4, "num_stages": 1, "BV": 128},
     # The backward's per-chunk gradient stages (chunk_bwd_dv; chunk_bwd_dqk: its anchored pass, its block pass).

@@ -88,8 +88,9 @@ def chunk_output(
     o = E.new_empty(T, HV, V, dtype=out_dtype) if out is None else out
     assert o.shape == (T, HV, V) and o.dtype == out_dtype and o.is_contiguous(), "chunk_output: bad out"
     poison(o)
-    # 128-wide value tiles only for 16-bit states: fp32 tiles of K = 256 would not fit the shared memory
-    cfg = launch("output", BV=V if Hin.element_size() == 2 else min(V, 64))
+    # 128-wide value tiles (LAUNCH) where measured: 16-bit states, K <= 128. Elsewhere 64: fp32 tiles of K = 256
+    # would not fit the shared memory, and at K = 256 in bf16 one program would take 120 KB of it.
+    cfg = launch("output", BV=V if Hin.element_size() == 2 and K <= 128 else min(V, 64))
     _launch_output(
         (NC, cdiv(V, cfg["BV"]), HV),
         (contiguous(Qt), contiguous(Mqk), contiguous(Hin), contiguous(E), o, None if norms is None else norms[0],
