@@ -241,7 +241,6 @@ def stage_calls(x: dict[str, torch.Tensor]) -> dict[str, Callable[[], Any]]:
     """Each part of our forward on ``x`` alone, by name: the chunk map, the fused stages 1-3 that the forward runs,
     and the stage launchers one by one (stages 2 and 3 as the staged pipeline and the backward's recompute run
     them), each on the factors of the stages before it (computed once here)."""
-    from kda_ops.triton import chunk as tc
     from kda_ops.triton import chunk_state as ts
     from kda_ops.triton.chunk_common import precision_for
     from kda_ops.triton.chunk_intra import chunk_intra
@@ -260,18 +259,17 @@ def stage_calls(x: dict[str, torch.Tensor]) -> dict[str, Callable[[], Any]]:
     _, W, U = chunk_solve(Mkk, Kt, f["v"], f["beta"], slots, opts, p, store_tm=False)
     final = torch.empty(B, H, D, D, device=x["q"].device)
     Hin, E = ts.chunk_state(W, U, Kend, Gl, None, slots.cu, p, final=final, offsets=slots.offset)
-    # the forward's own path: the fused stages 1-3 in its form (X form: no W, U), its scan and output stage
-    xf = tc.X_FORM
-    fw = chunk_prepare(f["q"], f["k"], f["v"], f["g"], f["beta"], D**-0.5, slots, None, None, opts, p, wy=not xf)
-    fU = f["v"] if fw[2] is None else fw[2]
-    fH, fE = ts.chunk_state(fw[1], fU, fw[4], fw[5], None, slots.cu, p, final=final, offsets=slots.offset,
-                            norms=fw[7], x_form=xf)  # fmt: skip
+    # the forward's own path: the fused stages 1-3 in the X form (no W, U), its scan and output stage
+    fw = chunk_prepare(f["q"], f["k"], f["v"], f["g"], f["beta"], D**-0.5, slots, None, None, opts, p)
+    fH, fE = ts.chunk_state(fw[1], f["v"], fw[4], fw[5], None, slots.cu, p, final=final, offsets=slots.offset,
+                            norms=fw[7], x_form=True)  # fmt: skip
     return {
         "chunk map (slot_map: the drivers' one launch)": lambda: slot_map(None, B, T, x["q"].device),
-        f"stages 1-3 chunk_prepare (fused: the forward's path, X form {xf})": lambda: chunk_prepare(
-            f["q"], f["k"], f["v"], f["g"], f["beta"], D**-0.5, slots, None, None, opts, p, wy=not xf),
-        "stage 4 chunk_state (the forward's scan)": lambda: ts.chunk_state(
-            fw[1], fU, fw[4], fw[5], None, slots.cu, p, final=final, offsets=slots.offset, norms=fw[7], x_form=xf),
+        "stages 1-3 chunk_prepare (fused: the forward's path, X form)": lambda: chunk_prepare(
+            f["q"], f["k"], f["v"], f["g"], f["beta"], D**-0.5, slots, None, None, opts, p),
+        "stage 4 chunk_state (the forward's scan, X form)": lambda: ts.chunk_state(
+            fw[1], f["v"], fw[4], fw[5], None, slots.cu, p, final=final, offsets=slots.offset, norms=fw[7],
+            x_form=True),
         "stage 5 chunk_output (the forward's)": lambda: chunk_output(
             fw[3], fw[0], fH, fE, slots, p, torch.bfloat16, norms=fw[7]),
         "stage 2 chunk_intra (Mqk, Mkk, Qt, Kend, Kt; cumsum fused; two passes)": lambda: chunk_intra(

@@ -98,9 +98,9 @@ def resources(compiled: Any) -> dict[str, Any]:
 def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
     def prepare(blocks: bool, K: int = 128, V: int = 128, x: torch.dtype = BF, store: torch.dtype = BF,
                 prec: tuple[str, str, str] = ("tf32", "tf32", "tf32"), dt: Any = tl.float32,
-                gate: bool = False, fold: bool = False, wy: bool = True) -> dict[str, Any]:  # fmt: skip
+                gate: bool = False, fold: bool = False) -> dict[str, Any]:  # fmt: skip
         a = dict(q=x, k=x, v=x, g=F32, beta=x, A_log=F32 if gate else None, dt_bias=F32 if gate else None,
-                 Mqk=store, W=store, U=store if wy else None, Qt=store, Kend=store,
+                 Mqk=store, W=store, U=None, Qt=store, Kend=store,
                  Gl=F32 if dt == tl.float32 else F64, Tm=None,
                  Flag=I32, Nrm=F32 if fold else None, Rqk=None, T=1000,
                  slot_start=I64, slot_count=I64, scale=0.1, lower_bound=0.0, H=2, HV=32, K=K, V=V,
@@ -111,7 +111,7 @@ def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
         a.update({"SPAN": 80.0, "CHECK_FLAG": True, **flags} if blocks else {"ASPAN": 80.0, "PREFETCH": fold})
         a["FOLD"] = fold
         a["GIVEN_NORMS"] = False
-        a["WY"] = wy
+        a["WY"] = False  # the forward's X form (the backward's launches are taken from its driver below)
         return a
 
     def scan(K: int, V: int, BV: int, store: torch.dtype = BF, prec: str = "bf16", norms: bool = False,
@@ -130,10 +130,8 @@ def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
                                                          prepare(False, fold=True), 8, 1),
         "prepare blocks bf16 K=V=128 folded l2norm": (chunk_prepare.chunk_prepare_blocks_kernel,
                                                       prepare(True, fold=True), 8, 1),
-        "prepare anchored bf16 K=V=128 folded l2norm, X form": (chunk_prepare.chunk_prepare_kernel,
-                                                                 prepare(False, fold=True, wy=False), 8, 1),
-        "prepare blocks bf16 K=V=128 folded l2norm, X form": (chunk_prepare.chunk_prepare_blocks_kernel,
-                                                              prepare(True, fold=True, wy=False), 8, 1),
+        "prepare anchored bf16 K=V=128 folded l2norm, as launched": (chunk_prepare.chunk_prepare_kernel,
+                                                                      dict(prepare(False, fold=True), BK=32), 4, 1),
         "scan bf16 K=V=128 BV=32 norms": (chunk_state.chunk_state_kernel, scan(128, 128, 32, norms=True), 8, 1),
         "scan bf16 K=V=128 BV=32 norms X form": (chunk_state.chunk_state_kernel,
                                                  scan(128, 128, 32, norms=True, x_form=True), 8, 1),

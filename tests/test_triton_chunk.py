@@ -216,7 +216,7 @@ def test_stage_solve(gates: str, option: str) -> None:
 def test_stage_prepare(gates: str, option: str, tol: float) -> None:
     """The fused stages 1-3 (``chunk_prepare``) against each stage's float64 oracle in its two uses, every output
     poisoned first: the backward's recompute (``store_tm``: ``Mqk`` in fp32, ``W``, ``U``, ``Qt``, ``Kend``, ``Tm``)
-    and the forward's X form (``wy=False``: ``Mqk Tb``, ``Kt``, ``Qt``, ``Kb``; neither ``U`` nor ``Tm``). The
+    and the forward's X form (no ``store_tm``: ``Mqk Tb``, ``Kt``, ``Qt``, ``Kb``; neither ``U`` nor ``Tm``). The
     cases take the anchored kernel's two key loops (without l2norm the key tiles load one step ahead); the "reset"
     case with the in-kernel gate flags no chunk (g is the gate's input there), the flagged chunks' block pass is
     tested by the flag-loop test below. K = 70: three key tiles, the last one partial. Without l2norm the keys'
@@ -228,10 +228,10 @@ def test_stage_prepare(gates: str, option: str, tol: float) -> None:
     MqkTb, Kb = oracle.x_form(Mqk, Kend, Tm, p["beta"], c["slots"], BT)
     used = _used(c["slots"])
     folded = c["opts"].use_qk_l2norm and ti_prepare.FOLD_NORMS and ti_prepare.anchored_path_usable(c["opts"])
-    for wy in (True, False):
+    for wy in (True, False):  # the E form with Tm (store_tm), the X form
         with poison_outputs():
             got = chunk_prepare(f["q"], f["k"], f["v"], f["g"], f["beta"], 0.4, c["slots"], c["A_log"],
-                                c["dt_bias"], c["opts"], EXACT, store_tm=wy, wy=wy)  # fmt: skip
+                                c["dt_bias"], c["opts"], EXACT, store_tm=wy)  # fmt: skip
         Nrm = got[7]
         assert (Nrm is not None) == folded
         # with the l2norm folded, Qt, Kend (and Kt in the X form) come without their rows' factors: applied here

@@ -101,7 +101,7 @@ def chunk_output(Qt: Tensor, Mqk: Tensor, Hin: Tensor, E: Tensor, slots: ChunkSl
 
 
 def x_form(Mqk: Tensor, Kend: Tensor, Tm: Tensor, beta: Tensor, slots: ChunkSlots, C: int) -> tuple[Tensor, Tensor]:
-    """The forward's X form of the factors (``chunk_prepare`` with ``wy=False``): ``(Mqk Tb [T, HV, C],
+    """The forward's X form of the factors (``chunk_prepare`` without ``store_tm``): ``(Mqk Tb [T, HV, C],
     Kb = Tb^T Kend [T, HV, K])`` per slot, ``Tb = Tm diag(beta)``. Since ``E = U - W S = Tb (V - Kt S)``, the scan
     of :func:`chunk_state` on ``(Kt, V, Kb)`` carries ``X = V - Kt S`` with ``E = Tb X``, and
     :func:`chunk_output` on ``(Qt, Mqk Tb, Hin, X)`` gives the same outputs."""

@@ -8,7 +8,7 @@ Per value head, chunks of ``BT = 64`` tokens, incoming state ``S [K, V]`` (``bac
     E  = U - W S,  S' = diag(exp(Gam_last)) S + Kend^T E    the scan over chunks                 (chunk_state)
     O  = Qt S + Mqk E                                                                            (chunk_output)
 
-in the forward's X form (:data:`X_FORM`), with ``Tb = Tm diag(beta)`` and ``E = Tb X``::
+in the forward's X form (``chunk_prepare`` without ``store_tm``), with ``Tb = Tm diag(beta)`` and ``E = Tb X``::
 
     Mqk Tb,  Kt = k exp(Gam),  Qt,  Kb = Tb^T Kend                                               (chunk_prepare)
     X  = V - Kt S,  S' = diag(exp(Gam_last)) S + Kb^T X                                          (chunk_state)
@@ -45,10 +45,6 @@ from kda_ops.triton.debug import poison
 # output stage stay two kernels: the scan with the outputs fused in was slower (1.51 ms against 0.84 + 0.49 apart)
 # and faulted on the GPU; ``chunk_state`` says more.
 FUSE_PREPARE = True
-# The X form of the fused path: with Tb = (I + Mkk)^-1 diag(beta), the chunk's errors are E = U - W S = Tb X for
-# X = V - Kt S, so the prepare kernel stores Mqk Tb and Kb = Tb^T Kend in place of Mqk and Kend and forms neither
-# U = Tb V nor W = Tb Kt; the scan carries X with the same two products per chunk (chunk_prepare, chunk_state).
-X_FORM = True
 
 
 def _flat(x: Tensor) -> Tensor:
@@ -93,19 +89,17 @@ def chunk_fwd(
     slots = slot_map(cu_seqlens, B, T, v.device)
     cu = slots.cu
     poison(o, final)
-    # stages 1-3, fused per chunk: Gam; Mqk, Mkk, Qt, Kend; Tm = (I + Mkk)^-1, W = Tm beta Kt, U = Tm beta V; in the
-    # X form Mqk Tb, Kt, Qt, Kb = Tb^T Kend (Tb = Tm diag(beta)) and neither W nor U
+    # stages 1-3, fused per chunk, in the X form: Gam; Mqk, Mkk, Qt, Kend; Tm = (I + Mkk)^-1; with
+    # Tb = Tm diag(beta): Mqk Tb, Kt = k exp(Gam), Kb = Tb^T Kend (neither W = Tb Kt nor U = Tb V)
     vf = _flat(v)
-    Mqk, W, U, Qt, Kend, Gl, _, Nrm = chunk_prepare(
-        _flat(q), _flat(k), vf, _flat(g), _flat(beta), scale, slots, _opt(A_log), _opt(dt_bias), opts, p,
-        wy=not X_FORM,
+    MqkTb, Kt, _, Qt, Kb, Gl, _, Nrm = chunk_prepare(
+        _flat(q), _flat(k), vf, _flat(g), _flat(beta), scale, slots, _opt(A_log), _opt(dt_bias), opts, p
     )
-    # stage 4: E = U - W S, S' = exp(Gam_last) S + Kend^T E; in the X form X = V - Kt S (E = Tb X),
-    # S' = exp(Gam_last) S + Kb^T X; keeping the state entering each chunk
-    Hin, E = chunk_state(W, vf if U is None else U, Kend, Gl, h0, cu, p, final=final if output_final_state else None,
-                         offsets=slots.offset, norms=Nrm, x_form=X_FORM)  # fmt: skip
-    # stage 5: O = Qt S + Mqk E (in the X form Qt S + (Mqk Tb) X), parallel over chunks
-    chunk_output(Qt, Mqk, Hin, E, slots, p, o.dtype, out=o.view(B * T, *o.shape[2:]), norms=Nrm)
+    # stage 4: X = V - Kt S (E = U - W S = Tb X);  S' = exp(Gam_last) S + Kb^T X, keeping the state entering each chunk
+    Hin, X = chunk_state(Kt, vf, Kb, Gl, h0, cu, p, final=final if output_final_state else None,
+                         offsets=slots.offset, norms=Nrm, x_form=True)  # fmt: skip
+    # stage 5: O = Qt S + Mqk E = Qt S + (Mqk Tb) X, parallel over chunks
+    chunk_output(Qt, MqkTb, Hin, X, slots, p, o.dtype, out=o.view(B * T, *o.shape[2:]), norms=Nrm)
     return o, final
 
 

@@ -7,7 +7,7 @@ The program computes the chunk's decays in registers (stage 1), ``Mqk``, ``Mkk``
 T = 32k, HV = 32, K = V = 128 the fused kernels move ~2.6 GB where the staged pipeline moves ~6 GB. The stage
 functions they call are those of the standalone stages, each tested against its own oracle.
 
-The forward takes the *X form* (``wy=False``): with ``Tb = Tm diag(beta)``, ``E = U - W S = Tb X`` for
+The forward (without ``store_tm``) takes the *X form*: with ``Tb = Tm diag(beta)``, ``E = U - W S = Tb X`` for
 ``X = V - Kt S``, so the kernel stores ``Mqk Tb`` and ``Kb = Tb^T Kend`` in place of ``Mqk`` and ``Kend``, keeps
 ``Kt`` for the scan and forms neither ``U`` (nor reads ``v``) nor ``W``: one 64 x 64 x 64 product from registers
 replaces two 64 x 64 x 128 products over loaded tiles. Measured on the H200 (triton 3.6, 2026-11-30, B1 T32768 H32
@@ -271,7 +271,6 @@ def chunk_prepare(
     precision: Precision,
     store_tm: bool = False,
     norms: Tensor | None = None,
-    wy: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """``(Mqk, W, U, Qt, Kend, Gam_last, Tm, Nrm)`` of every chunk slot, from the flat token stream.
 
@@ -286,17 +285,17 @@ def chunk_prepare(
     ``norms [2, T, H]`` (compute dtype; the backward's recompute): the l2norm factors of q's and k's rows, applied as
     the tiles load (``q * norms[0]`` is the l2-normalised q); the options must not ask for the l2norm as well.
 
-    ``wy=False`` (the forward's "X form"): ``W`` and ``U`` are not formed. With ``Tb = Tm diag(beta)``, ``E = U - W
-    S = Tb X`` for ``X = V - Kt S``, so the scan can carry ``X`` instead of ``E``: ``W`` holds ``Kt = k exp(Gam)``
-    (without the l2norm factors of its rows when folded, as ``Qt``), ``Kend`` holds ``Kb = Tb^T Kend`` (complete),
-    ``Mqk`` holds ``Mqk Tb``, and ``U`` is None (the scan reads ``v``): see
-    :func:`~kda_ops.triton.chunk_state.chunk_state` with ``x_form``. The kernel never reads ``v``.
+    Without ``store_tm`` (the forward) the factors come in the "X form" and ``W`` and ``U`` are not formed. With
+    ``Tb = Tm diag(beta)``, ``E = U - W S = Tb X`` for ``X = V - Kt S``, so the scan can carry ``X`` instead of
+    ``E``: ``W`` holds ``Kt = k exp(Gam)`` (without the l2norm factors of its rows when folded, as ``Qt``), ``Kend``
+    holds ``Kb = Tb^T Kend`` (complete), ``Mqk`` holds ``Mqk Tb``, and ``U`` is None (the scan reads ``v``): see
+    :func:`~kda_ops.triton.chunk_state.chunk_state` with ``x_form``. The kernel then never reads ``v``.
     """
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     NC = slots.start.shape[0]
     store = precision.store
-    assert wy or not store_tm, "chunk_prepare: the backward's recompute forms W and U"
+    wy = store_tm  # the E form (W, U, Tm) for the backward's recompute, the X form for the forward
     Mqk = q.new_empty(T, HV, BT, dtype=state_dtype(v) if store_tm else store)
     Tm = torch.empty_like(Mqk) if store_tm else None
     W = q.new_empty(T, HV, K, dtype=store)

@@ -125,7 +125,7 @@ def kb_stored(Tb, Kend, tok, m, i_hv, HV, K: tl.constexpr, BK: tl.constexpr, PRE
     """``Kb = Tb^T diag(nk) Kend`` over ``Kend``'s tiles, in place: ``Kend`` holds the chunk's rows of
     ``k exp(Gam_last - Gam)`` on entry (stored by this program's key tiles; without their l2norm factors ``nk``
     when ``FOLD``). The scan's state update ``Kend^T E = Kend^T Tb X = Kb^T X`` then reads it (the "X form",
-    :func:`~kda_ops.triton.chunk_prepare.chunk_prepare` with ``wy=False``)."""
+    :func:`~kda_ops.triton.chunk_prepare.chunk_prepare` without ``store_tm``)."""
     NK: tl.constexpr = (K + BK - 1) // BK
     TbT = tl.trans(Tb)
     tl.debug_barrier()  # every thread's Kend stores before any thread's loads

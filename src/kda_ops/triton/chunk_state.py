@@ -194,7 +194,7 @@ def chunk_state(
     ``norms [2, T, HV]``: the l2norm factors of the rows of ``Qt`` and ``Kend`` when they were stored without them
     (:func:`~kda_ops.triton.chunk_prepare.chunk_prepare`); the scan reads ``norms[1]``.
 
-    ``x_form`` (the factors of ``chunk_prepare`` with ``wy=False``): ``W`` holds ``Kt``, ``U`` the values ``v``,
+    ``x_form`` (the factors of ``chunk_prepare`` without ``store_tm``): ``W`` holds ``Kt``, ``U`` the values ``v``,
     ``Kend`` holds ``Kb = Tb^T Kend``; the scan carries ``X = V - Kt S`` (``norms[1]`` applied to the rows of
     ``Kt S``) and ``S' = exp(Gam_last) S + Kb^T X``, and returns ``X`` where it returns ``E`` otherwise
     (``E = Tb X``).
