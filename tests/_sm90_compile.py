@@ -111,7 +111,6 @@ def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
         a.update({"SPAN": 80.0, "CHECK_FLAG": True, **flags} if blocks else {"ASPAN": 80.0, "PREFETCH": fold})
         a["FOLD"] = fold
         a["GIVEN_NORMS"] = False
-        a["WY"] = False  # the forward's X form (the backward's launches are taken from its driver below)
         return a
 
     def scan(K: int, V: int, BV: int, store: torch.dtype = BF, prec: str = "bf16", norms: bool = False,

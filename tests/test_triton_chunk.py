@@ -228,15 +228,15 @@ def test_stage_prepare(gates: str, option: str, tol: float) -> None:
     MqkTb, Kb = oracle.x_form(Mqk, Kend, Tm, p["beta"], c["slots"], BT)
     used = _used(c["slots"])
     folded = c["opts"].use_qk_l2norm and ti_prepare.FOLD_NORMS and ti_prepare.anchored_path_usable(c["opts"])
-    for wy in (True, False):  # the E form with Tm (store_tm), the X form
+    for store_tm in (True, False):  # the E form with Tm, the X form
         with poison_outputs():
             got = chunk_prepare(f["q"], f["k"], f["v"], f["g"], f["beta"], 0.4, c["slots"], c["A_log"],
-                                c["dt_bias"], c["opts"], EXACT, store_tm=wy)  # fmt: skip
+                                c["dt_bias"], c["opts"], EXACT, store_tm=store_tm)  # fmt: skip
         Nrm = got[7]
         assert (Nrm is not None) == folded
         # with the l2norm folded, Qt, Kend (and Kt in the X form) come without their rows' factors: applied here
         nq, nk = (Nrm[0, :, :, None], Nrm[1, :, :, None]) if Nrm is not None else (1.0, 1.0)
-        if wy:
+        if store_tm:
             assert got[0].dtype == torch.float32 and got[2] is not None and got[6] is not None
             names, outs, refs = ("Mqk", "W", "U", "Qt", "Kend", "Tm"), (*got[:3], got[3] * nq, got[4] * nk, got[6]), (
                 Mqk, W, U, Qt, Kend, Tm)  # fmt: skip
@@ -245,7 +245,7 @@ def test_stage_prepare(gates: str, option: str, tol: float) -> None:
             names, outs, refs = ("Mqk Tb", "Kt", "Qt", "Kb"), (got[0], got[1] * nk, got[3] * nq, got[4]), (
                 MqkTb, _kt(c), Qt, Kb)  # fmt: skip
         for name, a, b in zip(names, outs, refs):
-            assert_rel(a, b, tol, f"{name} ({'recompute' if wy else 'X form'})")
+            assert_rel(a, b, tol, f"{name} ({'recompute' if store_tm else 'X form'})")
         assert_rel(got[5][used], Gl[used], 1e-5, "Gam_last")
 
 

@@ -76,20 +76,19 @@ from kda_ops.varlen import SlotRows
 def solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, Kend, Tm, tok, m, i_hv, HV, K: tl.constexpr, V: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
                     BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, PREC_SOLVE: tl.constexpr,
-                    PREC_WY: tl.constexpr, DT: tl.constexpr, STORE_TM: tl.constexpr, nq, nk, FOLD: tl.constexpr,
-                    WY: tl.constexpr):
-    """Masks; stage 3: ``Tm = (I + Mkk)^-1``. With ``WY``: store Mqk, ``Tm`` (when ``STORE_TM``),
+                    PREC_WY: tl.constexpr, DT: tl.constexpr, STORE_TM: tl.constexpr, nq, nk, FOLD: tl.constexpr):
+    """Masks; stage 3: ``Tm = (I + Mkk)^-1``. With ``STORE_TM`` (the backward's recompute): store Mqk, ``Tm``,
     ``W = Tm diag(beta) Kt`` (``Kt`` as the key tiles left it in ``W``) and ``U = Tm diag(beta) V``. Without (the
-    X form): store ``Mqk Tb`` in ``Mqk`` and ``Kb = Tb^T Kend`` over ``Kend`` (``Tb = Tm diag(beta)``); ``W`` keeps
-    ``Kt``. ``FOLD``: the products were formed from raw ``q, k``; ``nq, nk [BT]`` are their l2norm factors, applied
-    here to rows and columns."""
+    forward's X form): store ``Mqk Tb`` in ``Mqk`` and ``Kb = Tb^T Kend`` over ``Kend`` (``Tb = Tm diag(beta)``);
+    ``W`` keeps ``Kt``. ``FOLD``: the products were formed from raw ``q, k``; ``nq, nk [BT]`` are their l2norm
+    factors, applied here to rows and columns."""
     beta2 = load_beta2(beta, tok, m, HV, i_hv, BETA_SIGMOID, NEG_EIGVAL, DT)
     if FOLD:
         Mqk2 = Mqk2 * nq[:, None] * nk[None, :]
         Mkk2 = Mkk2 * nk[:, None] * nk[None, :]
     Mqk2, Mkk2 = intra_masks(Mqk2, Mkk2, beta2, BT)
     cols = tl.arange(0, BT)
-    if WY:
+    if STORE_TM:
         store2(Mqk + i_hv * BT, tok, m, HV * BT, cols, col_mask(cols, BT, BT), Mqk2)
         solve_wy(Mkk2, beta2, v, W, U, Tm, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT, PREC_SOLVE, PREC_WY, DT,
                  STORE_TM, nk, FOLD)  # fmt: skip
@@ -107,7 +106,7 @@ def chunk_prepare_kernel(
     USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
     PREC_INTRA: tl.constexpr, PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr, DT: tl.constexpr,
     STORE_TM: tl.constexpr, ASPAN: tl.constexpr, FOLD: tl.constexpr, PREFETCH: tl.constexpr,
-    GIVEN_NORMS: tl.constexpr, WY: tl.constexpr,
+    GIVEN_NORMS: tl.constexpr,
 ):  # fmt: skip
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -159,7 +158,7 @@ def chunk_prepare_kernel(
         nk = 1.0
     if not far:
         solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, Kend, Tm, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT,
-                        BETA_SIGMOID, NEG_EIGVAL, PREC_SOLVE, PREC_WY, DT, STORE_TM, nq, nk, FOLD, WY)  # fmt: skip
+                        BETA_SIGMOID, NEG_EIGVAL, PREC_SOLVE, PREC_WY, DT, STORE_TM, nq, nk, FOLD)  # fmt: skip
 
 
 @triton.jit
@@ -169,7 +168,7 @@ def blocks_chunk(
     BC: tl.constexpr, BT: tl.constexpr, USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr,
     USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
     PREC_INTRA: tl.constexpr, PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr, DT: tl.constexpr,
-    STORE_TM: tl.constexpr, SPAN: tl.constexpr, FOLD: tl.constexpr, GIVEN_NORMS: tl.constexpr, WY: tl.constexpr,
+    STORE_TM: tl.constexpr, SPAN: tl.constexpr, FOLD: tl.constexpr, GIVEN_NORMS: tl.constexpr,
 ):  # fmt: skip
     """Stages 1-3 of chunk slot ``i_c``, value head ``i_hv`` by the block path (nothing for an empty slot)."""
     i_h = i_hv // (HV // H)
@@ -188,7 +187,7 @@ def blocks_chunk(
             tl.store(Nrm + tok * HV + i_hv, one, mask=m)
             tl.store(Nrm + (T + tok) * HV + i_hv, one, mask=m)
         solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, Kend, Tm, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT,
-                        BETA_SIGMOID, NEG_EIGVAL, PREC_SOLVE, PREC_WY, DT, STORE_TM, 1.0, 1.0, False, WY)  # fmt: skip
+                        BETA_SIGMOID, NEG_EIGVAL, PREC_SOLVE, PREC_WY, DT, STORE_TM, 1.0, 1.0, False)  # fmt: skip
 
 
 @triton.jit
@@ -199,7 +198,7 @@ def chunk_prepare_blocks_kernel(
     USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr,
     NEG_EIGVAL: tl.constexpr, PREC_INTRA: tl.constexpr, PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr,
     DT: tl.constexpr, STORE_TM: tl.constexpr, SPAN: tl.constexpr, CHECK_FLAG: tl.constexpr, FOLD: tl.constexpr,
-    GIVEN_NORMS: tl.constexpr, FB: tl.constexpr, FLAG_LOOP: tl.constexpr, WY: tl.constexpr,
+    GIVEN_NORMS: tl.constexpr, FB: tl.constexpr, FLAG_LOOP: tl.constexpr,
 ):  # fmt: skip
     if CHECK_FLAG and FLAG_LOOP:
         # A few programs, each reading the flags of its blocks of FB items (item i: slot i // HV, value head i % HV)
@@ -213,7 +212,7 @@ def chunk_prepare_blocks_kernel(
                 blocks_chunk((b + j) // HV, (b + j) % HV, q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl,
                              Tm, Nrm, Rqk, slot_start, slot_count, scale, lower_bound, H, HV, T, K, V, BK, BV, NB,
                              BC, BT, USE_L2NORM, USE_GATE, USE_A, USE_BIAS, USE_BOUND, BETA_SIGMOID, NEG_EIGVAL,
-                             PREC_INTRA, PREC_SOLVE, PREC_WY, DT, STORE_TM, SPAN, FOLD, GIVEN_NORMS, WY)  # fmt: skip
+                             PREC_INTRA, PREC_SOLVE, PREC_WY, DT, STORE_TM, SPAN, FOLD, GIVEN_NORMS)  # fmt: skip
                 f = tl.where(lanes == j, 0, f)
     else:  # a program per item (every item without CHECK_FLAG)
         i_c, i_hv = tl.program_id(0), tl.program_id(1)
@@ -225,7 +224,7 @@ def chunk_prepare_blocks_kernel(
             blocks_chunk(i_c, i_hv, q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Nrm, Rqk,
                          slot_start, slot_count, scale, lower_bound, H, HV, T, K, V, BK, BV, NB, BC, BT, USE_L2NORM,
                          USE_GATE, USE_A, USE_BIAS, USE_BOUND, BETA_SIGMOID, NEG_EIGVAL, PREC_INTRA, PREC_SOLVE,
-                         PREC_WY, DT, STORE_TM, SPAN, FOLD, GIVEN_NORMS, WY)  # fmt: skip
+                         PREC_WY, DT, STORE_TM, SPAN, FOLD, GIVEN_NORMS)  # fmt: skip
 
 
 # The block pass after the anchored one: flags read FLAG_BLOCK at a time by at most one program per SM (the kernel
@@ -295,13 +294,12 @@ def chunk_prepare(
     HV, V = v.shape[1], v.shape[2]
     NC = slots.start.shape[0]
     store = precision.store
-    wy = store_tm  # the E form (W, U, Tm) for the backward's recompute, the X form for the forward
     Mqk = q.new_empty(T, HV, BT, dtype=state_dtype(v) if store_tm else store)
     Tm = torch.empty_like(Mqk) if store_tm else None
     W = q.new_empty(T, HV, K, dtype=store)
     Qt = torch.empty_like(W)
     Kend = torch.empty_like(W)
-    U = v.new_empty(T, HV, V, dtype=store) if wy else None
+    U = v.new_empty(T, HV, V, dtype=store) if store_tm else None  # the X form forms no U
     Gl = q.new_empty(NC, HV, K, dtype=state_dtype(v))
     Flag = q.new_empty(NC, HV, dtype=torch.int32)
     assert norms is None or not opts.use_qk_l2norm, "chunk_prepare: l2norm factors given and asked"
@@ -318,7 +316,7 @@ def chunk_prepare(
         K=K, V=V, NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm,
         BETA_SIGMOID=opts.use_beta_sigmoid, NEG_EIGVAL=opts.allow_neg_eigval, PREC_INTRA=precision.intra,
         PREC_SOLVE=precision.solve, PREC_WY=precision.wy, DT=compute_dtype(v), STORE_TM=store_tm,
-        GIVEN_NORMS=norms is not None, WY=wy,
+        GIVEN_NORMS=norms is not None,
         **gate_flags(opts, A_log, dt_bias),
     )  # fmt: skip
     if anchored:
