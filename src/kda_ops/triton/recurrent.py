@@ -43,6 +43,9 @@ from kda_ops.triton.launch import Launcher
 # 82.8 -> 81.7 and 299.6 -> 289.3 µs) and lost at B = 1; reading the next tile's state into registers while the
 # current one runs (double buffering) was 20-25 % slower from B = 64 (two tiles per program halve the resident
 # programs), an L2 prefetch of it slower too (93.5-98.7 µs at B = 64). Not taken: a second kernel path for ~1 %.
+# Each token's loads go out a step ahead, the first before the slot's load (serving: the state's address waits for
+# it): B = 64 serving step under a graph 83.2 / 82.6 -> 75.5 / 75.5 µs, recurrent_kda 73.0 / 73.2 -> 72.0 / 72.1
+# (cold 69.7 -> 68.1), B = 1 7.9 -> 7.5 (H200, triton 3.6, 2026-11-30, two processes of each, alternating).
 BV_MAX = 64
 ELEMENTS_PER_WARP = 4096  # state elements per warp: 128 fp32 registers per thread for the state tile
 
@@ -132,10 +135,31 @@ def load_token(p_q, p_k, p_g, p_beta, o_k, m_k, b_a, b_dt, scale, lower_bound, D
                USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
                USE_LOWER_BOUND: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
     """One token's ``scale * q``, ``k``, log decay ``g`` (all ``[BK]``) and ``beta`` (a scalar), transformed."""
-    b_q = tl.load(p_q + o_k, mask=m_k, other=0).to(DT)
-    b_k = tl.load(p_k + o_k, mask=m_k, other=0).to(DT)
-    b_g = tl.load(p_g + o_k, mask=m_k, other=0).to(DT)
-    b_beta = beta_forward(tl.load(p_beta).to(DT), USE_BETA_SIGMOID, NEG_EIGVAL)
+    xq, xk, xg, xb = token_loads(p_q, p_k, p_g, p_beta, o_k, m_k, True)
+    return token_transform(xq, xk, xg, xb, b_a, b_dt, scale, lower_bound, DT, USE_L2NORM, USE_GATE, HAS_A_LOG,
+                           USE_LOWER_BOUND, USE_BETA_SIGMOID, NEG_EIGVAL)  # fmt: skip
+
+
+@triton.jit
+def token_loads(p_q, p_k, p_g, p_beta, o_k, m_k, has):
+    """One token's ``q``, ``k``, ``g`` (``[BK]``) and ``beta`` as stored, nothing read unless ``has`` (a scalar)."""
+    m = m_k & (o_k * 0 == tl.where(has, 0, 1))  # [BK]: triton 3.9's interpreter rejects tensor & scalar masks
+    xq = tl.load(p_q + o_k, mask=m, other=0)
+    xk = tl.load(p_k + o_k, mask=m, other=0)
+    xg = tl.load(p_g + o_k, mask=m, other=0)
+    xb = tl.load(p_beta, mask=has, other=0)
+    return xq, xk, xg, xb
+
+
+@triton.jit
+def token_transform(xq, xk, xg, xb, b_a, b_dt, scale, lower_bound, DT: tl.constexpr, USE_L2NORM: tl.constexpr,
+                    USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+                    USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
+    """:func:`load_token` after the loads: the in-kernel l2norm, gate and beta sigmoid."""
+    b_q = xq.to(DT)
+    b_k = xk.to(DT)
+    b_g = xg.to(DT)
+    b_beta = beta_forward(xb.to(DT), USE_BETA_SIGMOID, NEG_EIGVAL)
     if USE_L2NORM:
         b_q, _ = l2norm_rows(b_q)
         b_k, _ = l2norm_rows(b_k)
@@ -197,6 +221,17 @@ def recurrent_fwd_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
+    p_q = q + (bos * H + i_h) * K
+    p_k = k + (bos * H + i_h) * K
+    p_g = g + (bos * HV + i_hv) * K
+    p_beta = beta + bos * HV + i_hv
+    p_v = v + (bos * HV + i_hv) * V + o_v
+    p_o = o + (bos * HV + i_hv) * V + o_v
+    # The first token's loads go out before anything else, the next token's while this one computes: with state
+    # indices the state's address waits for the slot's load, and the token's loads should not queue behind it.
+    has = eos > bos
+    xq, xk, xg, xb = token_loads(p_q, p_k, p_g, p_beta, o_k, m_k, has)
+    xv = tl.load(p_v, mask=m_v & (o_v * 0 == tl.where(has, 0, 1)), other=0)
     if USE_STATE_INDICES:
         slot = tl.load(state_indices + i_n).to(tl.int64)
         valid = (slot >= 0) & (slot < NS)
@@ -216,28 +251,24 @@ def recurrent_fwd_kernel(
         b_S += tl.load(h0 + o_s, mask=m_s, other=0).to(DT)
     b_a, b_dt = load_head_params(A_log, dt_bias, i_hv, o_k, m_k, K, DT, HAS_A_LOG, HAS_DT_BIAS)
 
-    p_q = q + (bos * H + i_h) * K
-    p_k = k + (bos * H + i_h) * K
-    p_g = g + (bos * HV + i_hv) * K
-    p_beta = beta + bos * HV + i_hv
-    p_v = v + (bos * HV + i_hv) * V + o_v
-    p_o = o + (bos * HV + i_hv) * V + o_v
-    for _ in range(0, n_tok):
-        b_q, b_k, b_g, b_beta = load_token(p_q, p_k, p_g, p_beta, o_k, m_k, b_a, b_dt, scale, lower_bound, DT,
-                                           USE_L2NORM, USE_GATE, HAS_A_LOG, USE_LOWER_BOUND, USE_BETA_SIGMOID,
-                                           NEG_EIGVAL)
-        b_v = tl.load(p_v, mask=m_v, other=0).to(DT)  # [BV]
+    for i in range(0, n_tok):
+        b_q, b_k, b_g, b_beta = token_transform(xq, xk, xg, xb, b_a, b_dt, scale, lower_bound, DT, USE_L2NORM,
+                                                USE_GATE, HAS_A_LOG, USE_LOWER_BOUND, USE_BETA_SIGMOID, NEG_EIGVAL)
+        b_v = xv.to(DT)  # [BV]
+        p_q += H * K
+        p_k += H * K
+        p_g += HV * K
+        p_beta += HV
+        p_v += HV * V
+        has = i + 1 < n_tok
+        xq, xk, xg, xb = token_loads(p_q, p_k, p_g, p_beta, o_k, m_k, has)
+        xv = tl.load(p_v, mask=m_v & (o_v * 0 == tl.where(has, 0, 1)), other=0)
         b_S = b_S * tl.exp(b_g)[:, None]
         b_p = tl.sum(b_S * b_k[:, None], 0)  # [BV]
         b_e = b_beta * (b_v - b_p)  # [BV]
         b_S = b_S + b_k[:, None] * b_e[None, :]
         b_o = tl.sum(b_S * b_q[:, None], 0)  # [BV]
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
-        p_q += H * K
-        p_k += H * K
-        p_g += HV * K
-        p_beta += HV
-        p_v += HV * V
         p_o += HV * V
     if USE_STATE_INDICES:
         # a padding sequence (its loop above ran no step): its output rows are zeros
