@@ -46,6 +46,9 @@ from kda_ops.triton.launch import Launcher
 # Each token's loads go out a step ahead, the first before the slot's load (serving: the state's address waits for
 # it): B = 64 serving step under a graph 83.2 / 82.6 -> 75.5 / 75.5 µs, recurrent_kda 73.0 / 73.2 -> 72.0 / 72.1
 # (cold 69.7 -> 68.1), B = 1 7.9 -> 7.5 (H200, triton 3.6, 2026-11-30, two processes of each, alternating).
+# Not taken (same day): register caps for more programs per SM (maxnreg 200 / 184 / 168: B = 64 step 72.7 ->
+# 79.5 / 92.9 / 121.7 µs, spilling); k^T S and q^T S in one reduction (o = q^T S + (q . k) e): recurrent 72.2 ->
+# 71.6 µs but serving 75.7 -> 76.6.
 BV_MAX = 64
 ELEMENTS_PER_WARP = 4096  # state elements per warp: 128 fp32 registers per thread for the state tile
 
