@@ -108,7 +108,8 @@ def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
                  USE_A=gate, USE_BIAS=gate, USE_BOUND=False, BETA_SIGMOID=gate, NEG_EIGVAL=gate,
                  PREC_INTRA=prec[0], PREC_SOLVE=prec[1], PREC_WY=prec[2], DT=dt, STORE_TM=False)  # fmt: skip
         flags = {"NI": 4096, "FB": chunk_prepare.FLAG_BLOCK, "FLAG_LOOP": True}
-        a.update({"SPAN": 80.0, "CHECK_FLAG": True, **flags} if blocks else {"ASPAN": 80.0, "PREFETCH": fold})
+        a.update({"SPAN": 80.0, "CHECK_FLAG": True, **flags} if blocks
+                 else {"ASPAN": 80.0, "PREFETCH": fold, "Sums": F32 if dt == tl.float32 else F64, "GIVEN_SUMS": True})
         a["FOLD"] = fold
         a["GIVEN_NORMS"] = False
         return a
@@ -158,6 +159,8 @@ def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
             dict(stage, **qk, Mkk=F32, k=BF, v=BF, g=F32, beta=BF, A_log=F32, dt_bias=F32, Tm=F32, W=BF, U=BF, K=K,
                  V=K, BK=bk, BV=bv, PREC_SOLVE="tf32", PREC_WY="tf32", STORE_TM=tm), 4, 1)
            for K, bk, bv, tm in ((128, 64, 64, False), (100, 32, 64, True))},
+        "anchor sums K=128 BK=64 gate": (chunk_cumsum.chunk_sums_kernel,
+                                         dict(g=F32, A_log=F32, dt_bias=F32, Sums=F32, **stage, K=128, BK=64), 2, 1),
         "output": (chunk_output.chunk_output_kernel, dict(Qt=BF, Mqk=F32, Hin=F32, E=F32, o=BF, Nq=None,
                    slot_start=I64, slot_count=I64, HV=32, K=100, V=100, BK=128, BV=64, BT=64, PREC="bf16",
                    DT=tl.float32, NORMS=False), 4, 1),

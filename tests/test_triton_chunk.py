@@ -30,7 +30,7 @@ from kda_ops.triton import chunk_intra as ti  # noqa: E402
 from kda_ops.triton import chunk_prepare as ti_prepare  # noqa: E402
 from kda_ops.triton import chunk_state as ts  # noqa: E402
 from kda_ops.triton.chunk_common import BT, Precision, precision_for  # noqa: E402
-from kda_ops.triton.chunk_cumsum import chunk_local_cumsum  # noqa: E402
+from kda_ops.triton.chunk_cumsum import chunk_anchor_sums, chunk_local_cumsum  # noqa: E402
 from kda_ops.triton.chunk_output import chunk_output  # noqa: E402
 from kda_ops.triton.chunk_prepare import chunk_prepare  # noqa: E402
 from kda_ops.triton.chunk_solve import chunk_solve  # noqa: E402
@@ -141,6 +141,20 @@ def test_stage_cumsum(option: str) -> None:
     assert_rel(Gam, Gam_ref, 1e-6, "Gam")
     used = _used(c["slots"])
     assert_rel(Gl[used], Gl_ref[used], 1e-6, "Gam_last")
+
+
+@pytest.mark.parametrize("option", ["plain", "gate", "lower_bound"])
+def test_stage_anchor_sums(option: str) -> None:
+    """``chunk_anchor_sums``: per slot, ``g_0``, ``P_last`` and ``P_mid`` of the chunk's log decay after the gate,
+    against the float64 oracle's prefix sums (a partial chunk's ``P_mid`` stops at its last row)."""
+    c = _stage_case(torch.float32, gates="reset" if option == "plain" else "normal", option=option)
+    Sums = chunk_anchor_sums(c["flat"]["g"], c["slots"], c["A_log"], c["dt_bias"], c["opts"])
+    Gam_ref, Gl_ref = oracle.chunk_cumsum(c["p"]["g"], c["slots"], BT)
+    used = torch.nonzero(_used(c["slots"])).flatten()
+    start, count = c["slots"].start[used], c["slots"].count[used]
+    g0 = Gam_ref[start]
+    ref = torch.stack([g0, Gl_ref[used] - g0, Gam_ref[start + (count - 1).clamp(max=BT // 2 - 1)] - g0], dim=2)
+    assert_rel(Sums[used], ref, 1e-6, "anchor sums")
 
 
 @pytest.mark.parametrize(

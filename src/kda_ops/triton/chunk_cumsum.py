@@ -37,6 +37,7 @@ from torch import Tensor
 from kda_ops.common import Options, state_dtype
 from kda_ops.triton.chunk_common import BT, cdiv, col_mask, compute_dtype, contiguous, launch, pow2, slot_rows, store2
 from kda_ops.triton.debug import poison
+from kda_ops.triton.launch import Launcher
 from kda_ops.varlen import SlotRows
 
 
@@ -108,12 +109,24 @@ def anchored_decays(g2, BT: tl.constexpr):
     H32 (H200), and the three sums cost what one did: the anchored prepare kernel took 2.68 ms with
     :func:`chunk_decays`, 2.38 with this (``docs/benchmarks.md``).
     """
+    g0, p_last, p_mid = anchor_sums(g2, BT)
+    return anchored_decays_from(g2, g0, p_last, p_mid, BT)
+
+
+@triton.jit
+def anchor_sums(g2, BT: tl.constexpr):
+    """Of a chunk tile ``g2 [BT, BK]``: ``g_0``, ``P_last`` and ``P_mid`` (``P_i = sum_{0 < j <= i} g_j``), ``[BK]``
+    each, by one reduction along the rows (across warps)."""
     rows = tl.arange(0, BT)[:, None]
     rest = tl.where(rows > 0, g2, 0.0)
-    g0, p_last, p_mid = tl.reduce(
-        (tl.where(rows == 0, g2, 0.0), rest, tl.where(rows < BT // 2, rest, 0.0)), 0, _add3
-    )
-    P = tl.cumsum(rest, axis=0)
+    return tl.reduce((tl.where(rows == 0, g2, 0.0), rest, tl.where(rows < BT // 2, rest, 0.0)), 0, _add3)
+
+
+@triton.jit
+def anchored_decays_from(g2, g0, p_last, p_mid, BT: tl.constexpr):
+    """:func:`anchored_decays` given the tile's :func:`anchor_sums` (``[BK]`` each)."""
+    rows = tl.arange(0, BT)[:, None]
+    P = tl.cumsum(tl.where(rows > 0, g2, 0.0), axis=0)
     return g0[None, :] + P, p_last[None, :] - P, g0 + p_last, P - p_mid[None, :]
 
 
@@ -143,6 +156,30 @@ def chunk_cumsum_kernel(
     G, to_end, gl, E = chunk_decays(g2, BT)
     store2(Gam + i_hv * K, tok, m, HV * K, o_k, m_k, G)
     tl.store(Gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, gl.to(Gl.dtype.element_ty), mask=m_k)
+
+
+@triton.jit
+def chunk_sums_kernel(
+    g, A_log, dt_bias, Sums, slot_start, slot_count, lower_bound, HV,
+    K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+    USE_GATE: tl.constexpr, USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr,
+    DT: tl.constexpr,
+):  # fmt: skip
+    """:func:`anchor_sums` of key tile ``program_id(2)`` of every chunk slot and value head into ``Sums [NC, HV, 3,
+    K]`` (``g_0``, ``P_last``, ``P_mid``), after the gate."""
+    i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
+    if count == 0:
+        return
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = col_mask(o_k, K, BK)
+    g2 = load_log_decay(g + i_hv * K, A_log, dt_bias, tok, m, HV * K, o_k, m_k, i_hv, lower_bound, K,
+                        USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)  # fmt: skip
+    g0, p_last, p_mid = anchor_sums(g2, BT)
+    p = Sums + (i_c.to(tl.int64) * HV + i_hv) * (3 * K) + o_k
+    tl.store(p, g0.to(Sums.dtype.element_ty), mask=m_k)
+    tl.store(p + K, p_last.to(Sums.dtype.element_ty), mask=m_k)
+    tl.store(p + 2 * K, p_mid.to(Sums.dtype.element_ty), mask=m_k)
 
 
 def gate_flags(opts: Options, A_log: Tensor | None, dt_bias: Tensor | None) -> dict[str, bool]:
@@ -178,7 +215,36 @@ def chunk_local_cumsum(
     return Gam, Gl
 
 
+def chunk_anchor_sums(
+    g: Tensor, slots: SlotRows, A_log: Tensor | None, dt_bias: Tensor | None, opts: Options
+) -> Tensor:
+    """``Sums [NC, HV, 3, K]``: per chunk slot, value head and key channel, ``g_0``, ``P_last = sum_{0 < j} g_j``
+    and ``P_mid = sum_{0 < j < BT / 2} g_j`` of the chunk's log decay after the gate (compute dtype; empty slots not
+    written), the three sums :func:`anchored_decays` forms by a reduction across warps.
+
+    The forward's prepare kernel reads them instead (``chunk_prepare``): that reduction took a third of the kernel's
+    time (Nsight Compute samples, H200), and this kernel, a program per ``[BT, 64]`` tile, only reads ``g`` once.
+    """
+    T, HV, K = g.shape
+    NC = slots.start.shape[0]
+    Sums = g.new_empty(NC, HV, 3, K, dtype=state_dtype(g))
+    poison(Sums)
+    BK = min(pow2(K), 64)
+    _launch_sums(
+        (NC, HV, cdiv(K, BK)),
+        (contiguous(g), A_log, dt_bias, Sums, slots.start, slots.count,
+         0.0 if opts.lower_bound is None else float(opts.lower_bound), HV),
+        dict(K=K, BK=BK, BT=BT, DT=compute_dtype(g), **gate_flags(opts, A_log, dt_bias), **launch("sums")),
+    )  # fmt: skip
+    return Sums
+
+
+_launch_sums = Launcher(chunk_sums_kernel)
+
 __all__ = [
+    "anchor_sums",
+    "anchored_decays_from",
+    "chunk_anchor_sums",
     "anchored_decays",
     "block_decays",
     "chunk_decays",

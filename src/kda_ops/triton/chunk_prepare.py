@@ -14,11 +14,14 @@ replaces two 64 x 64 x 128 products over loaded tiles. Measured on the H200 (tri
 bf16, one process alternating the forms): this kernel 1.994 -> 1.796 ms, the forward 3.355 -> 3.143 ms, the scan
 and the output unchanged; error vs float64 at T = 1000 o 3.01e-3 -> 2.63e-3, state 2.49e-3 -> 1.90e-3.
 
-Two kernels share the work (``chunk_intra`` explains the two paths):
+The kernels that share the work (``chunk_intra`` explains the two paths):
 
 - :func:`chunk_prepare_kernel` takes the anchored path for every key tile: one tensor-core product per tile, no
   16-row blocks, few registers. A chunk whose decays span too far for it (``|Gam - Gam_mid| > 80`` nats
   somewhere) is flagged and left alone.
+- The forward first runs :func:`~kda_ops.triton.chunk_cumsum.chunk_anchor_sums` (:data:`ANCHOR_SUMS`): the
+  anchored decays' three sums along the rows, which the anchored kernel then loads instead of reducing across its
+  warps.
 - :func:`chunk_prepare_blocks_kernel` redoes the flagged chunks by the block path: at most one program per SM
   reads the flags :data:`FLAG_BLOCK` at a time and runs the flagged chunks in turn. When the options bound the gate
   below ``-2.5`` nats per token (``lower_bound``), where the anchored path would often fail, it runs alone, a
@@ -55,7 +58,7 @@ from kda_ops.triton.chunk_common import (
     slot_rows,
     store2,
 )
-from kda_ops.triton.chunk_cumsum import gate_flags
+from kda_ops.triton.chunk_cumsum import chunk_anchor_sums, gate_flags
 from kda_ops.triton.chunk_intra import (
     chunk_norms,
     intra_anchored,
@@ -65,6 +68,7 @@ from kda_ops.triton.chunk_intra import (
     key_loads,
     key_tile,
     row_span,
+    sum_loads,
 )
 from kda_ops.triton.chunk_solve import kb_stored, solve_unit_lower, solve_wy
 from kda_ops.triton.debug import poison
@@ -99,14 +103,23 @@ def solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, Kend, Tm, tok, m, i_hv, HV, 
 
 
 @triton.jit
+def tile_sums(Sums, i_c, i_hv, HV, i_k, K: tl.constexpr, BK: tl.constexpr, GIVEN_SUMS: tl.constexpr):
+    """:func:`~kda_ops.triton.chunk_intra.sum_loads` with ``GIVEN_SUMS``, else three placeholders."""
+    if GIVEN_SUMS:
+        return sum_loads(Sums, i_c, i_hv, HV, i_k, K, BK)
+    else:
+        return 0.0, 0.0, 0.0
+
+
+@triton.jit
 def chunk_prepare_kernel(
-    q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm, Rqk, slot_start, slot_count, scale,
-    lower_bound, H, HV, T, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
-    BC: tl.constexpr, BT: tl.constexpr, USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr,
-    USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
-    PREC_INTRA: tl.constexpr, PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr, DT: tl.constexpr,
-    STORE_TM: tl.constexpr, ASPAN: tl.constexpr, FOLD: tl.constexpr, PREFETCH: tl.constexpr,
-    GIVEN_NORMS: tl.constexpr,
+    q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm, Rqk, Sums, slot_start, slot_count,
+    scale, lower_bound, H, HV, T, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr,
+    USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC_INTRA: tl.constexpr, PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr,
+    DT: tl.constexpr, STORE_TM: tl.constexpr, ASPAN: tl.constexpr, FOLD: tl.constexpr, PREFETCH: tl.constexpr,
+    GIVEN_NORMS: tl.constexpr, GIVEN_SUMS: tl.constexpr,
 ):  # fmt: skip
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -131,8 +144,11 @@ def chunk_prepare_kernel(
     # l2norm pass (the backward's recompute, prepared fp32 q, k), forward + backward 21.85 -> 21.63 ms. After the
     # l2norm pass q and k are L2-resident and the prefetch only costs registers: the forward at B1 T32768 H32 bf16
     # took 3.957 ms with it, 3.887 without (H200).
+    # GIVEN_SUMS: the decays' three sums along the rows come from chunk_anchor_sums (loaded with the tiles) rather
+    # than from a reduction across warps here
     xq, xk, xg = key_loads(q, k, g, tok, m, i_h, i_hv, H, HV, 0, K, BK)
     for i_k in range(NK):
+        s0, s1, s2 = tile_sums(Sums, i_c, i_hv, HV, i_k, K, BK, GIVEN_SUMS)
         if PREFETCH:
             xq_n, xk_n, xg_n = key_loads(q, k, g, tok, m, i_h, i_hv, H, HV, tl.minimum(i_k + 1, NK - 1), K, BK)
         else:
@@ -140,8 +156,9 @@ def chunk_prepare_kernel(
         if FOLD:
             ssq += tl.sum(xq.to(DT) * xq.to(DT), axis=1)
             ssk += tl.sum(xk.to(DT) * xk.to(DT), axis=1)
-        qs, kk, g2, E = key_compute(xq, xk, xg, A_log, dt_bias, Qt, Kend, Gl, W, tok, m, i_c, i_hv, HV, scale,
-                                    lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT, True)
+        qs, kk, g2, E = key_compute(xq, xk, xg, s0, s1, s2, A_log, dt_bias, Qt, Kend, Gl, W, tok, m, i_c, i_hv, HV,
+                                    scale, lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND,
+                                    DT, True, GIVEN_SUMS)  # fmt: skip
         span = row_span(span, E)
         Mqk2, Mkk2 = intra_anchored(qs, kk, E, Mqk2, Mkk2, PREC_INTRA, DT, ASPAN)
         if PREFETCH:
@@ -255,6 +272,14 @@ def anchored_path_usable(opts: Options) -> bool:
 # 20.23 ms; folded without the prefetch 3.768 / 3.766 ms.
 FOLD_NORMS = True
 
+# The forward's anchored kernel reads each key tile's three sums along the rows (``g_0``, ``P_last``, ``P_mid``) from
+# :func:`~kda_ops.triton.chunk_cumsum.chunk_anchor_sums`, a pass of its own over ``g``, instead of reducing across
+# its warps (a third of that kernel's Nsight Compute samples on the H200). Measured there (triton 3.6, 2026-11-30,
+# B1 H32 bf16, one process alternating): forward at T = 32768 3.126 / 3.140 -> 3.048 / 3.040 ms, at B8 T4096 2.846 /
+# 2.845 -> 2.768 / 2.763, the anchored kernel 1.79 -> 1.57 ms and this pass 0.14; error at T = 1000 unchanged (o
+# 2.64e-3). Loading the next tile's sums a step ahead (with the key tiles) spilled 208 B and gained nothing.
+ANCHOR_SUMS = True
+
 
 def chunk_prepare(
     q: Tensor,
@@ -321,8 +346,11 @@ def chunk_prepare(
     )  # fmt: skip
     if anchored:
         prefetch = not opts.use_qk_l2norm or fold
-        _launch_prepare((NC, HV), args, dict(meta, ASPAN=ANCHOR_SPAN, FOLD=fold, PREFETCH=prefetch,
-                                             **launch("prepare", BK=K, BV=V)))  # fmt: skip
+        # the forward reads the decays' sums along the rows from a pass of their own (ANCHOR_SUMS)
+        sums = chunk_anchor_sums(contiguous(g), slots, A_log, dt_bias, opts) if ANCHOR_SUMS and not store_tm else None
+        _launch_prepare((NC, HV), (*args[:17], sums, *args[17:]),
+                        dict(meta, ASPAN=ANCHOR_SPAN, FOLD=fold, PREFETCH=prefetch, GIVEN_SUMS=sums is not None,
+                             **launch("prepare", BK=K, BV=V)))  # fmt: skip
     # the flag loop in the forward; the backward's recompute keeps a program per item (its form of the loop spills
     # 272 B per thread with triton 3.9, over the backward's bound)
     flag_loop = anchored and not store_tm
