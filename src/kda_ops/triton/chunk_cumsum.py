@@ -243,10 +243,10 @@ _launch_sums = Launcher(chunk_sums_kernel)
 
 __all__ = [
     "anchor_sums",
-    "anchored_decays_from",
-    "chunk_anchor_sums",
     "anchored_decays",
+    "anchored_decays_from",
     "block_decays",
+    "chunk_anchor_sums",
     "chunk_decays",
     "chunk_local_cumsum",
     "gate",
