@@ -140,11 +140,13 @@ def block_decays(g3, NB: tl.constexpr):
 
 @triton.jit
 def chunk_cumsum_kernel(
-    g, A_log, dt_bias, Gam, Gl, slot_start, slot_count, lower_bound, HV,
+    g, A_log, dt_bias, Gam, Gl, Sums, slot_start, slot_count, lower_bound, HV,
     K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
     USE_GATE: tl.constexpr, USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr,
-    DT: tl.constexpr,
+    DT: tl.constexpr, SUMS: tl.constexpr,
 ):  # fmt: skip
+    """Key tile ``program_id(2)`` of every chunk slot and value head: ``Gam`` and ``Gam_last``, or with ``SUMS``
+    the tile's :func:`anchor_sums` into ``Sums [NC, HV, 3, K]`` (``g_0``, ``P_last``, ``P_mid``), after the gate."""
     i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
     if count == 0:
@@ -153,33 +155,16 @@ def chunk_cumsum_kernel(
     m_k = col_mask(o_k, K, BK)
     g2 = load_log_decay(g + i_hv * K, A_log, dt_bias, tok, m, HV * K, o_k, m_k, i_hv, lower_bound, K,
                         USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)  # fmt: skip
-    G, to_end, gl, E = chunk_decays(g2, BT)
-    store2(Gam + i_hv * K, tok, m, HV * K, o_k, m_k, G)
-    tl.store(Gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, gl.to(Gl.dtype.element_ty), mask=m_k)
-
-
-@triton.jit
-def chunk_sums_kernel(
-    g, A_log, dt_bias, Sums, slot_start, slot_count, lower_bound, HV,
-    K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-    USE_GATE: tl.constexpr, USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr,
-    DT: tl.constexpr,
-):  # fmt: skip
-    """:func:`anchor_sums` of key tile ``program_id(2)`` of every chunk slot and value head into ``Sums [NC, HV, 3,
-    K]`` (``g_0``, ``P_last``, ``P_mid``), after the gate."""
-    i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
-    if count == 0:
-        return
-    o_k = i_k * BK + tl.arange(0, BK)
-    m_k = col_mask(o_k, K, BK)
-    g2 = load_log_decay(g + i_hv * K, A_log, dt_bias, tok, m, HV * K, o_k, m_k, i_hv, lower_bound, K,
-                        USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)  # fmt: skip
-    g0, p_last, p_mid = anchor_sums(g2, BT)
-    p = Sums + (i_c.to(tl.int64) * HV + i_hv) * (3 * K) + o_k
-    tl.store(p, g0.to(Sums.dtype.element_ty), mask=m_k)
-    tl.store(p + K, p_last.to(Sums.dtype.element_ty), mask=m_k)
-    tl.store(p + 2 * K, p_mid.to(Sums.dtype.element_ty), mask=m_k)
+    if SUMS:
+        g0, p_last, p_mid = anchor_sums(g2, BT)
+        p = Sums + (i_c.to(tl.int64) * HV + i_hv) * (3 * K) + o_k
+        tl.store(p, g0.to(Sums.dtype.element_ty), mask=m_k)
+        tl.store(p + K, p_last.to(Sums.dtype.element_ty), mask=m_k)
+        tl.store(p + 2 * K, p_mid.to(Sums.dtype.element_ty), mask=m_k)
+    else:
+        G, to_end, gl, E = chunk_decays(g2, BT)
+        store2(Gam + i_hv * K, tok, m, HV * K, o_k, m_k, G)
+        tl.store(Gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, gl.to(Gl.dtype.element_ty), mask=m_k)
 
 
 def gate_flags(opts: Options, A_log: Tensor | None, dt_bias: Tensor | None) -> dict[str, bool]:
@@ -208,9 +193,9 @@ def chunk_local_cumsum(
     poison(Gam, Gl)
     BK = min(pow2(K), 64)
     chunk_cumsum_kernel[(NC, HV, cdiv(K, BK))](
-        contiguous(g), A_log, dt_bias, Gam, Gl, slots.start, slots.count,
+        contiguous(g), A_log, dt_bias, Gam, Gl, None, slots.start, slots.count,
         0.0 if opts.lower_bound is None else float(opts.lower_bound), HV,
-        K=K, BK=BK, BT=BT, DT=compute_dtype(g), **gate_flags(opts, A_log, dt_bias), **launch("cumsum"),
+        K=K, BK=BK, BT=BT, DT=compute_dtype(g), SUMS=False, **gate_flags(opts, A_log, dt_bias), **launch("cumsum"),
     )  # fmt: skip
     return Gam, Gl
 
@@ -232,14 +217,15 @@ def chunk_anchor_sums(
     BK = min(pow2(K), 64)
     _launch_sums(
         (NC, HV, cdiv(K, BK)),
-        (contiguous(g), A_log, dt_bias, Sums, slots.start, slots.count,
+        (contiguous(g), A_log, dt_bias, None, None, Sums, slots.start, slots.count,
          0.0 if opts.lower_bound is None else float(opts.lower_bound), HV),
-        dict(K=K, BK=BK, BT=BT, DT=compute_dtype(g), **gate_flags(opts, A_log, dt_bias), **launch("sums")),
+        dict(K=K, BK=BK, BT=BT, DT=compute_dtype(g), SUMS=True, **gate_flags(opts, A_log, dt_bias),
+             **launch("sums")),
     )  # fmt: skip
     return Sums
 
 
-_launch_sums = Launcher(chunk_sums_kernel)
+_launch_sums = Launcher(chunk_cumsum_kernel)
 
 __all__ = [
     "anchor_sums",
