@@ -166,16 +166,6 @@ def key_loads(q, k, g, tok, m, i_h, i_hv, H, HV, i_k, K: tl.constexpr, BK: tl.co
 
 
 @triton.jit
-def sum_loads(Sums, i_c, i_hv, HV, i_k, K: tl.constexpr, BK: tl.constexpr):
-    """Key tile ``i_k``'s ``g_0, P_last, P_mid [BK]`` from ``Sums [NC, HV, 3, K]``
-    (:func:`~kda_ops.triton.chunk_cumsum.chunk_anchor_sums`)."""
-    o_k = i_k * BK + tl.arange(0, BK)
-    m_k = col_mask(o_k, K, BK)
-    p = Sums + (i_c.to(tl.int64) * HV + i_hv) * (3 * K) + o_k
-    return tl.load(p, mask=m_k, other=0.0), tl.load(p + K, mask=m_k, other=0.0), tl.load(p + 2 * K, mask=m_k, other=0.0)
-
-
-@triton.jit
 def key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c, i_h, i_hv, H, HV, scale, lower_bound, rq, rk,
              i_k, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr,
              USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, DT: tl.constexpr, ANCHORED: tl.constexpr):
@@ -187,18 +177,19 @@ def key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c, i_h, i_hv, 
     where it keeps the chunk), else of the block path.
     """
     xq, xk, xg = key_loads(q, k, g, tok, m, i_h, i_hv, H, HV, i_k, K, BK)
-    return key_compute(xq, xk, xg, 0.0, 0.0, 0.0, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c, i_hv, HV, scale,
+    return key_compute(xq, xk, xg, None, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c, i_hv, HV, scale,
                        lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT, ANCHORED,
                        False)  # fmt: skip
 
 
 @triton.jit
-def key_compute(xq, xk, xg, s0, s1, s2, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c, i_hv, HV, scale,
+def key_compute(xq, xk, xg, Sums, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c, i_hv, HV, scale,
                 lower_bound, rq, rk, i_k, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, USE_GATE: tl.constexpr,
                 USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, DT: tl.constexpr,
                 ANCHORED: tl.constexpr, GIVEN_SUMS: tl.constexpr):
     """:func:`key_tile` from the tiles as :func:`key_loads` loaded them. ``GIVEN_SUMS`` (anchored only): the tile's
-    :func:`~kda_ops.triton.chunk_cumsum.anchor_sums` as :func:`sum_loads` loaded them, ``s0, s1, s2 [BK]``."""
+    :func:`~kda_ops.triton.chunk_cumsum.anchor_sums` are read from ``Sums [NC, HV, 3, K]``
+    (:func:`~kda_ops.triton.chunk_cumsum.chunk_anchor_sums`) rather than reduced here."""
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = col_mask(o_k, K, BK)
     qs = xq.to(DT) * rq * scale  # a tensor times scale: rq may be the constant 1.0 (fp64 exact in the interpreter)
@@ -206,7 +197,11 @@ def key_compute(xq, xk, xg, s0, s1, s2, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m
     g2 = gate(xg, m[:, None] & m_k[None, :], A_log, dt_bias, o_k, m_k, i_hv, lower_bound, K, USE_GATE, USE_A,
               USE_BIAS, USE_BOUND, DT)  # fmt: skip
     if ANCHORED and GIVEN_SUMS:
-        Gam, to_end, gl, E = anchored_decays_from(g2, s0.to(DT), s1.to(DT), s2.to(DT), BT)
+        p = Sums + (i_c.to(tl.int64) * HV + i_hv) * (3 * K) + o_k
+        g0 = tl.load(p, mask=m_k, other=0.0).to(DT)
+        p_last = tl.load(p + K, mask=m_k, other=0.0).to(DT)
+        p_mid = tl.load(p + 2 * K, mask=m_k, other=0.0).to(DT)
+        Gam, to_end, gl, E = anchored_decays_from(g2, g0, p_last, p_mid, BT)
     elif ANCHORED:
         Gam, to_end, gl, E = anchored_decays(g2, BT)
     else:

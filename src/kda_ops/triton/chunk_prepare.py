@@ -68,7 +68,6 @@ from kda_ops.triton.chunk_intra import (
     key_loads,
     key_tile,
     row_span,
-    sum_loads,
 )
 from kda_ops.triton.chunk_solve import kb_stored, solve_unit_lower, solve_wy
 from kda_ops.triton.debug import poison
@@ -100,15 +99,6 @@ def solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, Kend, Tm, tok, m, i_hv, HV, 
         Tb = solve_unit_lower(Mkk2, NB, BC, BT, PREC_SOLVE, DT) * beta2[None, :]
         store2(Mqk + i_hv * BT, tok, m, HV * BT, cols, col_mask(cols, BT, BT), mm(Mqk2, Tb, PREC_WY, DT))
         kb_stored(Tb, Kend, tok, m, i_hv, HV, K, BK, PREC_WY, DT, nk, FOLD)
-
-
-@triton.jit
-def tile_sums(Sums, i_c, i_hv, HV, i_k, K: tl.constexpr, BK: tl.constexpr, GIVEN_SUMS: tl.constexpr):
-    """:func:`~kda_ops.triton.chunk_intra.sum_loads` with ``GIVEN_SUMS``, else three placeholders."""
-    if GIVEN_SUMS:
-        return sum_loads(Sums, i_c, i_hv, HV, i_k, K, BK)
-    else:
-        return 0.0, 0.0, 0.0
 
 
 @triton.jit
@@ -144,11 +134,10 @@ def chunk_prepare_kernel(
     # l2norm pass (the backward's recompute, prepared fp32 q, k), forward + backward 21.85 -> 21.63 ms. After the
     # l2norm pass q and k are L2-resident and the prefetch only costs registers: the forward at B1 T32768 H32 bf16
     # took 3.957 ms with it, 3.887 without (H200).
-    # GIVEN_SUMS: the decays' three sums along the rows come from chunk_anchor_sums (loaded with the tiles) rather
+    # GIVEN_SUMS: the decays' three sums along the rows come from chunk_anchor_sums (key_compute loads them) rather
     # than from a reduction across warps here
     xq, xk, xg = key_loads(q, k, g, tok, m, i_h, i_hv, H, HV, 0, K, BK)
     for i_k in range(NK):
-        s0, s1, s2 = tile_sums(Sums, i_c, i_hv, HV, i_k, K, BK, GIVEN_SUMS)
         if PREFETCH:
             xq_n, xk_n, xg_n = key_loads(q, k, g, tok, m, i_h, i_hv, H, HV, tl.minimum(i_k + 1, NK - 1), K, BK)
         else:
@@ -156,7 +145,7 @@ def chunk_prepare_kernel(
         if FOLD:
             ssq += tl.sum(xq.to(DT) * xq.to(DT), axis=1)
             ssk += tl.sum(xk.to(DT) * xk.to(DT), axis=1)
-        qs, kk, g2, E = key_compute(xq, xk, xg, s0, s1, s2, A_log, dt_bias, Qt, Kend, Gl, W, tok, m, i_c, i_hv, HV,
+        qs, kk, g2, E = key_compute(xq, xk, xg, Sums, A_log, dt_bias, Qt, Kend, Gl, W, tok, m, i_c, i_hv, HV,
                                     scale, lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND,
                                     DT, True, GIVEN_SUMS)  # fmt: skip
         span = row_span(span, E)
@@ -332,11 +321,11 @@ def chunk_prepare(
     fold = FOLD_NORMS and anchored and opts.use_qk_l2norm
     Nrm = q.new_empty(2, T, HV, dtype=state_dtype(v)) if fold else None
     poison(Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm)
-    args = (
-        contiguous(q), contiguous(k), contiguous(v), contiguous(g), contiguous(beta), A_log, dt_bias,
-        Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm, norms, slots.start, slots.count, float(scale),
-        0.0 if opts.lower_bound is None else float(opts.lower_bound), H, HV, T,
-    )  # fmt: skip
+    # the two kernels' runtime arguments: these, with the anchor sums between them for the anchored kernel
+    head = (contiguous(q), contiguous(k), contiguous(v), contiguous(g), contiguous(beta), A_log, dt_bias,
+            Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm, norms)  # fmt: skip
+    tail = (slots.start, slots.count, float(scale), 0.0 if opts.lower_bound is None else float(opts.lower_bound),
+            H, HV, T)  # fmt: skip
     meta = dict(
         K=K, V=V, NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm,
         BETA_SIGMOID=opts.use_beta_sigmoid, NEG_EIGVAL=opts.allow_neg_eigval, PREC_INTRA=precision.intra,
@@ -348,7 +337,7 @@ def chunk_prepare(
         prefetch = not opts.use_qk_l2norm or fold
         # the forward reads the decays' sums along the rows from a pass of their own (ANCHOR_SUMS)
         sums = chunk_anchor_sums(contiguous(g), slots, A_log, dt_bias, opts) if ANCHOR_SUMS and not store_tm else None
-        _launch_prepare((NC, HV), (*args[:17], sums, *args[17:]),
+        _launch_prepare((NC, HV), (*head, sums, *tail),
                         dict(meta, ASPAN=ANCHOR_SPAN, FOLD=fold, PREFETCH=prefetch, GIVEN_SUMS=sums is not None,
                              **launch("prepare", BK=K, BV=V)))  # fmt: skip
     # the flag loop in the forward; the backward's recompute keeps a program per item (its form of the loop spills
@@ -357,7 +346,7 @@ def chunk_prepare(
     blocks_meta = dict(meta, SPAN=FACTOR_SPAN, CHECK_FLAG=anchored, FOLD=fold, FB=FLAG_BLOCK, FLAG_LOOP=flag_loop,
                        **launch("prepare_blocks", BK=K, BV=V))  # fmt: skip
     grid = (min(cdiv(NC * HV, FLAG_BLOCK), flag_programs(q.device)),) if flag_loop else (NC, HV)
-    _launch_blocks(grid, (*args, NC * HV), blocks_meta)
+    _launch_blocks(grid, (*head, *tail, NC * HV), blocks_meta)
     return Mqk, W, U, Qt, Kend, Gl, Tm, Nrm
 
 
