@@ -117,7 +117,7 @@ def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
     def scan(K: int, V: int, BV: int, store: torch.dtype = BF, prec: str = "bf16", norms: bool = False,
              x_form: bool = False) -> dict[str, Any]:  # fmt: skip
         return dict(W=store, U=store, Kend=store, Gl=F32, h0=F32, final=F32, Hin=store,
-                    E=store, Nk=F32 if norms else None, cu=I64, chunk_off=I64, HV=32, K=K, V=V,
+                    E=store, Nk=F32 if norms else None, cu=I64, chunk_off=I64, HV=32, T=1000, K=K, V=V,
                     BK=max(16, triton.next_power_of_2(K)), BV=BV, BT=64, USE_H0=True, STORE_FINAL=True,
                     PREC_SCAN=prec, DT=tl.float32, NORMS=norms, X_FORM=x_form)  # fmt: skip
 
@@ -136,7 +136,7 @@ def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
         "scan bf16 K=V=128 BV=32 norms X form": (chunk_state.chunk_state_kernel,
                                                  scan(128, 128, 32, norms=True, x_form=True), 8, 1),
         **{f"output norms bf16 K=V={K} BV={bv}": (chunk_output.chunk_output_kernel, dict(Qt=BF, Mqk=BF, Hin=BF,
-           E=BF, o=BF, Nq=F32, slot_start=I64, slot_count=I64, HV=32, K=K, V=K, BK=K, BV=bv, BT=64, PREC="bf16",
+           E=BF, o=BF, Nq=F32, slot_start=I64, slot_count=I64, HV=32, T=1000, K=K, V=K, BK=K, BV=bv, BT=64, PREC="bf16",
            DT=tl.float32, NORMS=True), 4, 1) for K, bv in ((128, 128), (256, 64))},
         "prepare anchored fp32 K=V=100": (chunk_prepare.chunk_prepare_kernel,
                                           prepare(False, 100, 100, F32, F32, ("ieee",) * 3), 8, 1),
@@ -163,7 +163,7 @@ def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
                                          dict(g=F32, A_log=F32, dt_bias=F32, Gam=None, Gl=None, Sums=F32, **stage,
                                               K=128, BK=64, SUMS=True), 2, 1),
         "output": (chunk_output.chunk_output_kernel, dict(Qt=BF, Mqk=F32, Hin=F32, E=F32, o=BF, Nq=None,
-                   slot_start=I64, slot_count=I64, HV=32, K=100, V=100, BK=128, BV=64, BT=64, PREC="bf16",
+                   slot_start=I64, slot_count=I64, HV=32, T=1000, K=100, V=100, BK=128, BV=64, BT=64, PREC="bf16",
                    DT=tl.float32, NORMS=False), 4, 1),
     }  # fmt: skip
 

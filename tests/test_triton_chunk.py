@@ -249,7 +249,7 @@ def test_stage_prepare(gates: str, option: str, tol: float) -> None:
         Nrm = got[7]
         assert (Nrm is not None) == folded
         # with the l2norm folded, Qt, Kend (and Kt in the X form) come without their rows' factors: applied here
-        nq, nk = (Nrm[0, :, :, None], Nrm[1, :, :, None]) if Nrm is not None else (1.0, 1.0)
+        nq, nk = (Nrm[0].T[:, :, None], Nrm[1].T[:, :, None]) if Nrm is not None else (1.0, 1.0)
         if store_tm:
             assert got[0].dtype == torch.float32 and got[2] is not None and got[6] is not None
             names, outs, refs = ("Mqk", "W", "U", "Qt", "Kend", "Tm"), (*got[:3], got[3] * nq, got[4] * nk, got[6]), (

@@ -43,7 +43,7 @@ def output_tile(qt, S, A, E, nq, PREC: tl.constexpr, DT: tl.constexpr, NORMS: tl
 
 @triton.jit
 def chunk_output_kernel(
-    Qt, Mqk, Hin, E, o, Nq, slot_start, slot_count, HV,
+    Qt, Mqk, Hin, E, o, Nq, slot_start, slot_count, HV, T,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     PREC: tl.constexpr, DT: tl.constexpr, NORMS: tl.constexpr,
 ):  # fmt: skip
@@ -63,7 +63,7 @@ def chunk_output_kernel(
     Ec = load2(E + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
     p_s = Hin + (i_c.to(tl.int64) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
     S = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0).to(DT)
-    nq = row_factors(Nq, tok, m, i_hv, HV, DT, NORMS)
+    nq = row_factors(Nq, tok, m, i_hv.to(tl.int64) * T, 1, DT, NORMS)  # Nq [HV, T]
     store2(o + i_hv * V, tok, m, HV * V, o_v, m_v, output_tile(qt, S, A, Ec, nq, PREC, DT, NORMS))
 
 
@@ -80,7 +80,7 @@ def chunk_output(
 ) -> Tensor:
     """``o [T, HV, V]`` in ``out_dtype``: ``Qt [T, HV, K]``, ``Mqk [T, HV, BT]``, ``Hin [NC, HV, K, V]`` (the state
     entering each slot), ``E [T, HV, V]`` (the resolved errors). ``out``: a contiguous ``[T, HV, V]`` tensor of
-    ``out_dtype`` to write into (the op's output, saving a copy), else a new one. ``norms [2, T, HV]``: the l2norm
+    ``out_dtype`` to write into (the op's output, saving a copy), else a new one. ``norms [2, HV, T]``: the l2norm
     factors of ``Qt``'s rows (``norms[0]``) when it was stored without them."""
     T, HV, K = Qt.shape
     V = E.shape[2]
@@ -94,7 +94,7 @@ def chunk_output(
     _launch_output(
         (NC, cdiv(V, cfg["BV"]), HV),
         (contiguous(Qt), contiguous(Mqk), contiguous(Hin), contiguous(E), o, None if norms is None else norms[0],
-         slots.start, slots.count, HV),
+         slots.start, slots.count, HV, T),
         dict(K=K, V=V, BK=pow2(K), BT=BT, PREC=precision.output, DT=compute_dtype(Hin), NORMS=norms is not None,
              **cfg),
     )  # fmt: skip
