@@ -93,9 +93,9 @@ def scan_block_v(V: int, programs: int, device: torch.device) -> int:
 @triton.jit
 def scan_tiles(W, U, Kend, Gl, Nk, tok, eos, c0, j, n_chunks, i_hv, HV, T, o_k, m_k, o_v, m_v, K: tl.constexpr,
                V: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr, NORMS: tl.constexpr):
-    """The tiles the scan reads for chunk ``j`` of the sequence (rows ``tok``): ``W, Kend [BT, BK]`` as stored,
-    ``U [BT, BV]``, ``Gam_last [BK]`` in ``DT`` and the l2norm factors of ``Kend``'s rows (``NORMS``; else 1.0).
-    Zeros past the sequence's end."""
+    """The tiles the scan reads for chunk ``j`` of the sequence (rows ``tok``): ``W, Kend [BT, BK]`` and
+    ``U [BT, BV]`` as stored, ``Gam_last [BK]`` in ``DT`` and the l2norm factors of the rows (``NORMS``: ``Nk``
+    holds ``[HV, T]``; else 1.0). Zeros past the sequence's end."""
     m = tok < eos
     w = tile2(W + i_hv * K, tok, m, HV * K, o_k, m_k)
     u = tile2(U + i_hv * V, tok, m, HV * V, o_v, m_v)
