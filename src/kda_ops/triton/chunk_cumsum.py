@@ -157,7 +157,7 @@ def chunk_cumsum_kernel(
                         USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)  # fmt: skip
     if SUMS:
         g0, p_last, p_mid = anchor_sums(g2, BT)
-        p = Sums + (i_c.to(tl.int64) * HV + i_hv) * (3 * K) + o_k
+        p = sums_ptr(Sums, i_c, i_hv, HV, K, o_k)
         tl.store(p, g0.to(Sums.dtype.element_ty), mask=m_k)
         tl.store(p + K, p_last.to(Sums.dtype.element_ty), mask=m_k)
         tl.store(p + 2 * K, p_mid.to(Sums.dtype.element_ty), mask=m_k)
@@ -177,6 +177,19 @@ def gate_flags(opts: Options, A_log: Tensor | None, dt_bias: Tensor | None) -> d
     }
 
 
+def gate_bound(opts: Options) -> float:
+    """The gate's lower bound as the kernels' runtime argument (0.0 when there is none: ``USE_BOUND`` is then off)."""
+    return 0.0 if opts.lower_bound is None else float(opts.lower_bound)
+
+
+@triton.jit
+def sums_ptr(Sums, i_c, i_hv, HV, K: tl.constexpr, o_k):
+    """Where key channels ``o_k`` of slot ``i_c``, value head ``i_hv`` keep ``g_0`` in ``Sums [NC, HV, 3, K]``
+    (``P_last`` at ``+ K``, ``P_mid`` at ``+ 2 * K``): the layout :func:`chunk_anchor_sums` writes and the anchored
+    prepare kernel reads."""
+    return Sums + (i_c.to(tl.int64) * HV + i_hv) * (3 * K) + o_k
+
+
 def chunk_local_cumsum(
     g: Tensor, slots: SlotRows, A_log: Tensor | None, dt_bias: Tensor | None, opts: Options
 ) -> tuple[Tensor, Tensor]:
@@ -194,7 +207,7 @@ def chunk_local_cumsum(
     BK = min(pow2(K), 64)
     chunk_cumsum_kernel[(NC, HV, cdiv(K, BK))](
         contiguous(g), A_log, dt_bias, Gam, Gl, None, slots.start, slots.count,
-        0.0 if opts.lower_bound is None else float(opts.lower_bound), HV,
+        gate_bound(opts), HV,
         K=K, BK=BK, BT=BT, DT=compute_dtype(g), SUMS=False, **gate_flags(opts, A_log, dt_bias), **launch("cumsum"),
     )  # fmt: skip
     return Gam, Gl
@@ -218,7 +231,7 @@ def chunk_anchor_sums(
     _launch_sums(
         (NC, HV, cdiv(K, BK)),
         (contiguous(g), A_log, dt_bias, None, None, Sums, slots.start, slots.count,
-         0.0 if opts.lower_bound is None else float(opts.lower_bound), HV),
+         gate_bound(opts), HV),
         dict(K=K, BK=BK, BT=BT, DT=compute_dtype(g), SUMS=True, **gate_flags(opts, A_log, dt_bias),
              **launch("sums")),
     )  # fmt: skip
@@ -236,7 +249,9 @@ __all__ = [
     "chunk_decays",
     "chunk_local_cumsum",
     "gate",
+    "gate_bound",
     "gate_flags",
     "load_log_decay",
     "softplus",
+    "sums_ptr",
 ]

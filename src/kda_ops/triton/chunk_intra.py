@@ -55,7 +55,9 @@ from kda_ops.triton.chunk_cumsum import (
     block_decays,
     chunk_decays,
     gate,
+    gate_bound,
     gate_flags,
+    sums_ptr,
 )
 from kda_ops.triton.debug import poison
 from kda_ops.triton.launch import Launcher
@@ -197,7 +199,7 @@ def key_compute(xq, xk, xg, Sums, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c,
     g2 = gate(xg, m[:, None] & m_k[None, :], A_log, dt_bias, o_k, m_k, i_hv, lower_bound, K, USE_GATE, USE_A,
               USE_BIAS, USE_BOUND, DT)  # fmt: skip
     if ANCHORED and GIVEN_SUMS:
-        p = Sums + (i_c.to(tl.int64) * HV + i_hv) * (3 * K) + o_k
+        p = sums_ptr(Sums, i_c, i_hv, HV, K, o_k)
         g0 = tl.load(p, mask=m_k, other=0.0).to(DT)
         p_last = tl.load(p + K, mask=m_k, other=0.0).to(DT)
         p_mid = tl.load(p + 2 * K, mask=m_k, other=0.0).to(DT)
@@ -337,7 +339,7 @@ def chunk_intra(
             (NC, HV),
             (contiguous(q), contiguous(k), contiguous(g), contiguous(beta), A_log, dt_bias, Mqk, Mkk, Qt, Kend, Kt,
              Gl, flag, slots.start, slots.count, float(scale),
-             0.0 if opts.lower_bound is None else float(opts.lower_bound), H, HV),
+             gate_bound(opts), H, HV),
             dict(K=K, NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm, BETA_SIGMOID=opts.use_beta_sigmoid,
                  NEG_EIGVAL=opts.allow_neg_eigval, PREC=precision.intra, DT=compute_dtype(q), ASPAN=ANCHOR_SPAN,
                  SPAN=FACTOR_SPAN, BLOCKS=blocks, **gate_flags(opts, A_log, dt_bias), **launch("intra", BK=K)),

@@ -58,7 +58,7 @@ from kda_ops.triton.chunk_common import (
     slot_rows,
     store2,
 )
-from kda_ops.triton.chunk_cumsum import chunk_anchor_sums, gate_flags
+from kda_ops.triton.chunk_cumsum import chunk_anchor_sums, gate_bound, gate_flags
 from kda_ops.triton.chunk_intra import (
     chunk_norms,
     intra_anchored,
@@ -99,6 +99,13 @@ def solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, Kend, Tm, tok, m, i_hv, HV, 
         Tb = solve_unit_lower(Mkk2, NB, BC, BT, PREC_SOLVE, DT) * beta2[None, :]
         store2(Mqk + i_hv * BT, tok, m, HV * BT, cols, col_mask(cols, BT, BT), mm(Mqk2, Tb, PREC_WY, DT))
         kb_stored(Tb, Kend, tok, m, i_hv, HV, K, BK, PREC_WY, DT, nk, FOLD)
+
+
+@triton.jit
+def store_norms(Nrm, nq, nk, tok, m, i_hv, HV, T):
+    """The l2norm factors ``nq``, ``nk [BT]`` of the chunk's rows into ``Nrm [2, HV, T]`` (:func:`chunk_prepare`)."""
+    tl.store(Nrm + i_hv.to(tl.int64) * T + tok, nq, mask=m)
+    tl.store(Nrm + (HV + i_hv).to(tl.int64) * T + tok, nk, mask=m)
 
 
 @triton.jit
@@ -157,8 +164,7 @@ def chunk_prepare_kernel(
     if FOLD:
         nq = rnorm(ssq)
         nk = rnorm(ssk)
-        tl.store(Nrm + i_hv.to(tl.int64) * T + tok, nq, mask=m)
-        tl.store(Nrm + (HV + i_hv).to(tl.int64) * T + tok, nk, mask=m)
+        store_norms(Nrm, nq, nk, tok, m, i_hv, HV, T)
     else:
         nq = 1.0
         nk = 1.0
@@ -190,8 +196,7 @@ def blocks_chunk(
             Mqk2, Mkk2 = intra_blocks(qs, kk, g2, Mqk2, Mkk2, NB, BC, BT, BK, PREC_INTRA, DT, SPAN)
         if FOLD:  # this kernel stores normalised factors: unit factors for its chunk's rows
             one = tl.full((BT,), 1.0, DT)
-            tl.store(Nrm + i_hv.to(tl.int64) * T + tok, one, mask=m)
-            tl.store(Nrm + (HV + i_hv).to(tl.int64) * T + tok, one, mask=m)
+            store_norms(Nrm, one, one, tok, m, i_hv, HV, T)
         solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, Kend, Tm, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT,
                         BETA_SIGMOID, NEG_EIGVAL, PREC_SOLVE, PREC_WY, DT, STORE_TM, 1.0, 1.0, False)  # fmt: skip
 
@@ -330,7 +335,7 @@ def chunk_prepare(
     # the two kernels' runtime arguments: these, with the anchor sums between them for the anchored kernel
     head = (contiguous(q), contiguous(k), contiguous(v), contiguous(g), contiguous(beta), A_log, dt_bias,
             Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm, norms)  # fmt: skip
-    tail = (slots.start, slots.count, float(scale), 0.0 if opts.lower_bound is None else float(opts.lower_bound),
+    tail = (slots.start, slots.count, float(scale), gate_bound(opts),
             H, HV, T)  # fmt: skip
     meta = dict(
         K=K, V=V, NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm,
