@@ -136,8 +136,8 @@ def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
         "scan bf16 K=V=128 BV=32 norms X form": (chunk_state.chunk_state_kernel,
                                                  scan(128, 128, 32, norms=True, x_form=True), 8, 1),
         **{f"output norms bf16 K=V={K} BV={bv}": (chunk_output.chunk_output_kernel, dict(Qt=BF, Mqk=BF, Hin=BF,
-           E=BF, o=BF, Nq=F32, slot_start=I64, slot_count=I64, HV=32, T=1000, K=K, V=K, BK=K, BV=bv, BT=64, PREC="bf16",
-           DT=tl.float32, NORMS=True), 4, 1) for K, bv in ((128, 128), (256, 64))},
+           E=BF, o=BF, Nq=F32, slot_start=I64, slot_count=I64, NC=17, HV=32, T=1000, K=K, V=K, BK=K, BV=bv, BT=64,
+           PREC="bf16", DT=tl.float32, NORMS=True, STAGES=st), 4, st) for K, bv, st in ((128, 128, 3), (256, 64, 1))},
         "prepare anchored fp32 K=V=100": (chunk_prepare.chunk_prepare_kernel,
                                           prepare(False, 100, 100, F32, F32, ("ieee",) * 3), 8, 1),
         "prepare blocks bf16 K=V=256 gate": (chunk_prepare.chunk_prepare_blocks_kernel,
@@ -163,8 +163,8 @@ def variants() -> dict[str, tuple[Any, dict[str, Any], int, int]]:
                                          dict(g=F32, A_log=F32, dt_bias=F32, Gam=None, Gl=None, Sums=F32, **stage,
                                               K=128, BK=64, SUMS=True), 2, 1),
         "output": (chunk_output.chunk_output_kernel, dict(Qt=BF, Mqk=F32, Hin=F32, E=F32, o=BF, Nq=None,
-                   slot_start=I64, slot_count=I64, HV=32, T=1000, K=100, V=100, BK=128, BV=64, BT=64, PREC="bf16",
-                   DT=tl.float32, NORMS=False), 4, 1),
+                   slot_start=I64, slot_count=I64, NC=17, HV=32, T=1000, K=100, V=100, BK=128, BV=64, BT=64,
+                   PREC="bf16", DT=tl.float32, NORMS=False, STAGES=1), 4, 1),
     }  # fmt: skip
 
 

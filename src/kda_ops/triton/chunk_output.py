@@ -1,9 +1,11 @@
 """Stage 5: the outputs ``O = Qt S + Mqk E`` of every chunk, from the state ``S`` entering it.
 
 ``Qt S`` reads the decayed incoming state; ``Mqk E`` adds the causal contributions of the writes made inside the
-chunk (the diagonal included: KDA reads after writing). One program per (chunk slot, value head, value tile),
-parallel over chunks, reading the states ``Hin`` and errors ``E`` the scan (:mod:`~kda_ops.triton.chunk_state`)
-stored.
+chunk (the diagonal included: KDA reads after writing). Parallel over (chunk slot, value tile, value head) items,
+reading the states ``Hin`` and errors ``E`` the scan (:mod:`~kda_ops.triton.chunk_state`) stored. The stage only
+moves memory (72 KB in, 16 KB out per item at K = V = 128 in bf16), so where the tiles are 16-bit a program per SM
+walks the items with the next ones' loads in flight (``LAUNCH["output"]`` in :mod:`~kda_ops.triton.chunk_common`);
+elsewhere a program takes one item.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from kda_ops.triton.chunk_common import (
     compute_dtype,
     contiguous,
     launch,
-    load2,
     mm,
+    num_sms,
     pow2,
     row_factors,
     scale_rows,
@@ -43,28 +45,35 @@ def output_tile(qt, S, A, E, nq, PREC: tl.constexpr, DT: tl.constexpr, NORMS: tl
 
 @triton.jit
 def chunk_output_kernel(
-    Qt, Mqk, Hin, E, o, Nq, slot_start, slot_count, HV, T,
+    Qt, Mqk, Hin, E, o, Nq, slot_start, slot_count, NC, HV, T,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    PREC: tl.constexpr, DT: tl.constexpr, NORMS: tl.constexpr,
+    PREC: tl.constexpr, DT: tl.constexpr, NORMS: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
-    i_c, i_v, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    count = tl.load(slot_count + i_c).to(tl.int32)
-    if count == 0:
-        return
+    # Items (chunk slot, value tile, value head), the slot fastest, taken by the programs in turn: as many programs as
+    # items (one each), or fewer whose loop the compiler pipelines over STAGES (the next items' tiles load while
+    # this one's products and store run). A slot without tokens loads and stores nothing.
+    NV: tl.constexpr = (V + BV - 1) // BV
     rows = tl.arange(0, BT)
-    tok = tl.load(slot_start + i_c).to(tl.int64) + rows
-    m = rows < count
     o_k = tl.arange(0, BK)
     m_k = col_mask(o_k, K, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = col_mask(o_v, V, BV)
-    qt = tile2(Qt + i_hv * K, tok, m, HV * K, o_k, m_k)
-    A = tile2(Mqk + i_hv * BT, tok, m, HV * BT, rows, col_mask(rows, BT, BT))
-    Ec = load2(E + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
-    p_s = Hin + (i_c.to(tl.int64) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
-    S = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0).to(DT)
-    nq = row_factors(Nq, tok, m, i_hv.to(tl.int64) * T, 1, DT, NORMS)  # Nq [HV, T]
-    store2(o + i_hv * V, tok, m, HV * V, o_v, m_v, output_tile(qt, S, A, Ec, nq, PREC, DT, NORMS))
+    for it in tl.range(tl.program_id(0), NC * NV * HV, tl.num_programs(0), num_stages=STAGES):
+        i_c = it % NC
+        i_v = (it // NC) % NV
+        i_hv = it // (NC * NV)
+        count = tl.load(slot_count + i_c).to(tl.int32)
+        tok = tl.load(slot_start + i_c).to(tl.int64) + rows
+        m = rows < count
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = col_mask(o_v, V, BV)
+        qt = tile2(Qt + i_hv * K, tok, m, HV * K, o_k, m_k)
+        A = tile2(Mqk + i_hv * BT, tok, m, HV * BT, rows, col_mask(rows, BT, BT))
+        Ec = tile2(E + i_hv * V, tok, m, HV * V, o_v, m_v)
+        # [BK] conditions: triton 3.9's interpreter rejects a mask of tensor & scalar
+        live = m_k & (o_k * 0 + count > 0)
+        p_s = Hin + (i_c.to(tl.int64) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+        S = tl.load(p_s, mask=live[:, None] & m_v[None, :], other=0.0)
+        nq = row_factors(Nq, tok, m, i_hv.to(tl.int64) * T, 1, DT, NORMS)  # Nq [HV, T]
+        store2(o + i_hv * V, tok, m, HV * V, o_v, m_v, output_tile(qt, S, A, Ec, nq, PREC, DT, NORMS))
 
 
 def chunk_output(
@@ -90,13 +99,21 @@ def chunk_output(
     poison(o)
     # 128-wide value tiles (LAUNCH) where measured: 16-bit states, K <= 128. Elsewhere 64: fp32 tiles of K = 256
     # would not fit the shared memory, and at K = 256 in bf16 one program would take 120 KB of it.
-    cfg = launch("output", BV=V if Hin.element_size() == 2 and K <= 128 else min(V, 64))
+    wide = Hin.element_size() == 2 and K <= 128
+    cfg = launch("output", BV=V if wide else min(V, 64))
+    items = NC * cdiv(V, cfg["BV"]) * HV
+    if wide and o.is_cuda:  # a program per SM, its loop pipelined over LAUNCH's stages
+        programs = min(items, num_sms(o.device))
+    elif o.is_cuda:  # a program per item: fp32 tiles of K = 256 take the shared memory of one stage
+        programs, cfg = items, dict(cfg, num_stages=1)
+    else:  # the interpreter: a few programs, each walking several items
+        programs, cfg = min(items, 3), dict(cfg, num_stages=1)
     _launch_output(
-        (NC, cdiv(V, cfg["BV"]), HV),
+        (programs,),
         (contiguous(Qt), contiguous(Mqk), contiguous(Hin), contiguous(E), o, None if norms is None else norms[0],
-         slots.start, slots.count, HV, T),
+         slots.start, slots.count, NC, HV, T),
         dict(K=K, V=V, BK=pow2(K), BT=BT, PREC=precision.output, DT=compute_dtype(Hin), NORMS=norms is not None,
-             **cfg),
+             STAGES=cfg["num_stages"], **cfg),
     )  # fmt: skip
     return o
 
