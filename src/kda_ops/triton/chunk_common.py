@@ -56,15 +56,16 @@ LAUNCH: dict[str, dict[str, int]] = {
     "prepare": {"num_warps": 4, "num_stages": 1, "BK": 32, "BV": 64},
     "prepare_blocks": {"num_warps": 8, "num_stages": 1, "BK": 16, "BV": 64},
     "scan": {"num_warps": 8, "num_stages": 1},
-    # output: BV 128 with 16-bit states and K <= 128 (122 registers, 72 KB shared at K = 128); chunk_output caps it
-    # at 64 elsewhere. B1 T32768 H32 bf16 on the H200 (2026-11-30): BV 128 / 4 warps 0.436 ms, BV 64 / 4 warps 0.460,
-    # BV 64 / 8 warps 0.510, BV 128 / 8 warps 0.500, BV 32 / 4 warps 0.836.
+    # output: BV 128 with 16-bit states and K <= 128 (a program per item: 122 registers, 72 KB shared at K = 128);
+    # chunk_output caps it at 64 elsewhere. B1 T32768 H32 bf16 on the H200 (2026-11-30, a program per item): BV 128 /
+    # 4 warps 0.436 ms, BV 64 / 4 warps 0.460, BV 64 / 8 warps 0.510, BV 128 / 8 warps 0.500, BV 32 / 4 warps 0.836.
     # Where the tiles are 16-bit and K <= 128, a program per SM walks the (chunk slot, value tile, value head) items
-    # with its loop pipelined over 3 stages (156 KB of shared memory), against a program per item (72 KB, three per
-    # SM), which leaves each program's loads exposed (chunk_output). B1 T32768 H32 bf16 on the H200 (triton 3.6,
-    # 2026-11-30, `.scratch/outexp.py`, same outputs bit for bit): a program per item 0.420 ms (0.409 with E loaded
-    # as stored, not through fp32), per SM with 2 / 3 / 4 stages 0.422 / 0.385 / 0.386; programs of 8 / 16 / 32
-    # consecutive slots, 3 stages, 0.392 / 0.389 / 0.410; 2 programs per SM at BV 64, 3 stages, 0.434; 8 warps 0.438.
+    # with its loop pipelined over 3 stages (152 registers, 156 KB of shared memory), against a program per item
+    # (three per SM), which leaves each program's loads exposed (chunk_output). B1 T32768 H32 bf16 on the H200
+    # (triton 3.6, 2026-11-30, `.scratch/outexp.py`, same outputs bit for bit): a program per item 0.420 ms (0.409
+    # with E loaded as stored, not through fp32), per SM with 2 / 3 / 4 stages 0.422 / 0.385 / 0.386; programs of
+    # 8 / 16 / 32 consecutive slots, 3 stages, 0.392 / 0.389 / 0.410; 2 programs per SM, 3 stages, at BV 64 0.434,
+    # with 8 warps 0.438.
     "output": {"num_warps": 4, "num_stages": 3, "BV": 128},
     # The backward's per-chunk gradient stages (chunk_bwd_dv; chunk_bwd_dqk: its anchored pass, its block pass).
     # Forward + backward at B1 T32768 H32 bf16 on the H200 (2026-11-29): dqk 8 warps BV 32 27.78 ms, BV 64 26.37;
