@@ -271,7 +271,7 @@ def test_block_pass_flag_loop_over_blocks_and_programs(gates: str, monkeypatch: 
     strong decay, so program 0 walks two blocks and blocks hold two flagged items. Every output against the float64
     oracle, poisoned first (a flagged chunk left undone stays NaN)."""
     monkeypatch.setattr(ti_prepare, "FLAG_BLOCK", 2)
-    assert ti_prepare.flag_programs(torch.device("cpu")) == 4
+    assert ti_prepare.persistent_programs(torch.device("cpu")) == 4
     test_stage_prepare(gates, "l2norm", 1e-5)
 
 

@@ -133,6 +133,12 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(torch.cuda.current_device() if device.index is None else device.index)
 
 
+def persistent_programs(device: torch.device) -> int:
+    """Programs of a kernel whose programs walk its items in turn: one per SM on CUDA; 4 off CUDA, so that the
+    interpreter's tests take a program over several items."""
+    return num_sms(device) if device.type == "cuda" else 4
+
+
 @functools.cache
 def _sm_count(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
@@ -242,6 +248,13 @@ def row_factors(N, tok, m, col, stride, DT: tl.constexpr, ON: tl.constexpr):
         return tl.load(N + tok * stride + col, mask=m, other=0.0).to(DT)
     else:
         return 1.0
+
+
+@triton.jit
+def head_factors(N, tok, m, i_hv, T, DT: tl.constexpr, ON: tl.constexpr):
+    """:func:`row_factors` of value head ``i_hv`` from a ``[HV, T]`` table, each head's rows contiguous: the l2norm
+    factors the prepare kernel stores (``chunk_prepare.store_norms``) and the scan and the output stage load."""
+    return row_factors(N, tok, m, i_hv.to(tl.int64) * T, 1, DT, ON)
 
 
 @triton.jit

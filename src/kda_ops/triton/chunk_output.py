@@ -22,11 +22,11 @@ from kda_ops.triton.chunk_common import (
     col_mask,
     compute_dtype,
     contiguous,
+    head_factors,
     launch,
     mm,
-    num_sms,
+    persistent_programs,
     pow2,
-    row_factors,
     scale_rows,
     store2,
     tile2,
@@ -72,7 +72,7 @@ def chunk_output_kernel(
         live = m_k & (o_k * 0 + count > 0)
         p_s = Hin + (i_c.to(tl.int64) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
         S = tl.load(p_s, mask=live[:, None] & m_v[None, :], other=0.0)
-        nq = row_factors(Nq, tok, m, i_hv.to(tl.int64) * T, 1, DT, NORMS)  # Nq [HV, T]
+        nq = head_factors(Nq, tok, m, i_hv, T, DT, NORMS)
         store2(o + i_hv * V, tok, m, HV * V, o_v, m_v, output_tile(qt, S, A, Ec, nq, PREC, DT, NORMS))
 
 
@@ -102,12 +102,10 @@ def chunk_output(
     wide = Hin.element_size() == 2 and K <= 128
     cfg = launch("output", BV=V if wide else min(V, 64))
     items = NC * cdiv(V, cfg["BV"]) * HV
-    if wide and o.is_cuda:  # a program per SM, its loop pipelined over LAUNCH's stages
-        programs = min(items, num_sms(o.device))
-    elif o.is_cuda:  # a program per item: fp32 tiles of K = 256 take the shared memory of one stage
+    if wide or not o.is_cuda:  # programs walking the items: one per SM, its loop pipelined over LAUNCH's stages
+        programs = min(items, persistent_programs(o.device))
+    else:  # a program per item, one stage: fp32 tiles of K = 256 take the shared memory of one stage
         programs, cfg = items, dict(cfg, num_stages=1)
-    else:  # the interpreter: a few programs, each walking several items
-        programs, cfg = min(items, 3), dict(cfg, num_stages=1)
     _launch_output(
         (programs,),
         (contiguous(Qt), contiguous(Mqk), contiguous(Hin), contiguous(E), o, None if norms is None else norms[0],

@@ -53,7 +53,7 @@ from kda_ops.triton.chunk_common import (
     launch,
     load_beta2,
     mm,
-    num_sms,
+    persistent_programs,
     rnorm,
     slot_rows,
     store2,
@@ -243,12 +243,6 @@ def chunk_prepare_blocks_kernel(
 FLAG_BLOCK = 128
 
 
-def flag_programs(device: torch.device) -> int:
-    """Programs of the block pass after the anchored one: one per SM; 4 off CUDA, so that the interpreter's tests
-    take a program over several blocks of flags."""
-    return num_sms(device) if device.type == "cuda" else 4
-
-
 def anchored_path_usable(opts: Options) -> bool:
     """Whether to try the anchored path first: always, unless the gate's lower bound is known and lets half a chunk
     span more than ANCHOR_SPAN nats (below -2.5 per token; a bound of -5 then guarantees the block path's factored
@@ -356,7 +350,7 @@ def chunk_prepare(
     flag_loop = anchored and not store_tm
     blocks_meta = dict(meta, SPAN=FACTOR_SPAN, CHECK_FLAG=anchored, FOLD=fold, FB=FLAG_BLOCK, FLAG_LOOP=flag_loop,
                        **launch("prepare_blocks", BK=K, BV=V))  # fmt: skip
-    grid = (min(cdiv(NC * HV, FLAG_BLOCK), flag_programs(q.device)),) if flag_loop else (NC, HV)
+    grid = (min(cdiv(NC * HV, FLAG_BLOCK), persistent_programs(q.device)),) if flag_loop else (NC, HV)
     _launch_blocks(grid, (*head, *tail, NC * HV), blocks_meta)
     return Mqk, W, U, Qt, Kend, Gl, Tm, Nrm
 

@@ -38,11 +38,11 @@ from kda_ops.triton.chunk_common import (
     col_mask,
     compute_dtype,
     contiguous,
+    head_factors,
     launch,
     mm,
     num_sms,
     pow2,
-    row_factors,
     scale_rows,
     store2,
     tile2,
@@ -103,7 +103,7 @@ def scan_tiles(W, U, Kend, Gl, Nk, tok, eos, c0, j, n_chunks, i_hv, HV, T, o_k, 
     # chunk-count conditions as [BK] tensors: triton 3.9's interpreter rejects a mask of tensor & scalar
     gl = tl.load(Gl + ((c0 + j) * HV + i_hv) * K + o_k, mask=m_k & (o_k * 0 + j < n_chunks), other=0.0).to(DT)
     # NORMS: Kend was stored without the l2norm factors of its rows (chunk_prepare's FOLD_NORMS)
-    nk = row_factors(Nk, tok, m, i_hv.to(tl.int64) * T, 1, DT, NORMS)  # Nk [HV, T]
+    nk = head_factors(Nk, tok, m, i_hv, T, DT, NORMS)
     return w, u, ke, gl, nk
 
 
