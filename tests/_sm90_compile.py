@@ -54,6 +54,10 @@ def jit_function(kernel: Any) -> Any:
     return fn
 
 
+# Constexprs that every variant takes as an H200 launch does: the forward's kernels open with pdl_enter.
+DEFAULTS: dict[str, Any] = {"PDL": True}
+
+
 def build(kernel: Any, args: dict[str, Any], num_warps: int, num_stages: int = 1) -> Any:
     """Compile ``kernel`` for sm_90 with ``args``: a torch dtype for a pointer, None, an int, a float, or a constexpr
     value; pointers and ints divisible by 16 get the alignment hints a launch would give them."""
@@ -63,16 +67,18 @@ def build(kernel: Any, args: dict[str, Any], num_warps: int, num_stages: int = 1
     const: dict[str, Any] = {}
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
     for i, name in enumerate(fn.arg_names):
-        v = args[name]
+        v = args[name] if name in args else DEFAULTS[name]
+        param = fn.params[i]  # arguments a launch does not specialise get no hint here either (jit_any_length)
         if isinstance(v, torch.dtype):
             sig[name] = PTR[v]
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            if not param.do_not_specialize_on_alignment:
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif v is None or name in constexpr:
             sig[name] = "constexpr"
             const[name] = v
         elif isinstance(v, int):
             sig[name] = "i32"
-            if v % 16 == 0:
+            if v % 16 == 0 and not param.do_not_specialize:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "fp32"

@@ -3,10 +3,11 @@
 Triton compiles a kernel on its first call for each set of compile-time arguments, which cannot happen inside
 ``torch.cuda.graph(...)``. Those arguments are what a model fixes once: the head dimensions ``K`` and ``V``, the
 dtypes, the in-kernel options and the per-product precision, plus the value tile of the chunk scan, which depends
-on ``N * HV`` (the number of sequences and value heads, for parallelism). Launch configurations are fixed (no
-autotuning). Neither ``B``, ``T`` nor the values of ``cu_seqlens`` play a part. So one :func:`warmup` call with
-small example inputs of the real head counts, dtypes and options, which compiles every value tile the scan may
-pick, leaves nothing to compile for any batch, length or packing::
+on ``N * HV`` (the number of sequences and value heads, for parallelism), and the form of the output stage, which
+depends on the number of chunk slots (a program per item for short inputs). Launch configurations are fixed (no
+autotuning). Neither ``B``, ``T`` nor the values of ``cu_seqlens`` play a part otherwise. So one :func:`warmup`
+call with small example inputs of the real head counts, dtypes and options, which compiles every value tile the
+scan may pick and both forms of the output stage, leaves nothing to compile for any batch, length or packing::
 
     kda_ops.warmup(q[:, :64], k[:, :64], v[:, :64], g[:, :64], beta[:, :64], use_qk_l2norm_in_kernel=True,
                    initial_state=h0, output_final_state=True)
@@ -42,16 +43,20 @@ def warmup(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kwargs: A
     if q.device.type != "cuda":
         return
     if ops.uses_triton("chunk", q.device):
-        from kda_ops.triton import chunk_state  # imported lazily: triton is needed only on this path
+        from kda_ops.triton import chunk_output, chunk_state  # imported lazily: triton is needed on this path only
 
         V = v.shape[-1]
-        old = chunk_state.BV_OVERRIDE
+        old_bv, old_few = chunk_state.BV_OVERRIDE, chunk_output.FEW_ITEMS_PER_SM
         try:
             for bv in chunk_state.block_v_choices(V):
                 chunk_state.BV_OVERRIDE = bv
                 chunk_kda(q, k, v, g, beta, **kwargs)
+            chunk_state.BV_OVERRIDE = old_bv
+            for few in (0, 1 << 30):  # the output stage's programs walking the items, then a program per item
+                chunk_output.FEW_ITEMS_PER_SM = few
+                chunk_kda(q, k, v, g, beta, **kwargs)
         finally:
-            chunk_state.BV_OVERRIDE = old
+            chunk_state.BV_OVERRIDE, chunk_output.FEW_ITEMS_PER_SM = old_bv, old_few
     chunk_kda(q, k, v, g, beta, **kwargs)
     recurrent_kda(q, k, v, g, beta, **kwargs)
     torch.cuda.synchronize(q.device)  # sync-ok: warmup runs before capture, by contract

@@ -205,6 +205,18 @@ def test_staged_pipeline_equals_fused() -> None:
         assert rel_err(o, o_ref) <= TOL[BF16] and rel_err(s, s_ref) <= TOL[BF16], fn.__name__
 
 
+@pytest.mark.parametrize("few", [0, 1 << 20], ids=["per_sm", "per_item"])
+def test_output_stage_forms(few: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both forms of the 16-bit output stage (programs walking 128-wide items, a program per 64-wide item; the
+    forward picks by the number of items) on varlen input with empty sequences, against the oracle."""
+    from kda_ops.triton import chunk_output
+
+    monkeypatch.setattr(chunk_output, "FEW_ITEMS_PER_SM", few)
+    cu = torch.tensor([0, 5, 5, 700, 701, 2000], device=DEV)
+    x = _case("l2norm", 1, 2000, 2, 128, 128, HV=4, dtype=BF16, gates="reset")
+    _check(x, h0=make_state(5, 4, 128, 128, device=DEV), cu=cu)
+
+
 # ---------------------------------------------------------------------------- graphs, compile, sync
 
 
@@ -234,6 +246,39 @@ def test_cuda_graph_replay_with_new_cu_seqlens() -> None:
         assert s_e is not None
         assert torch.equal(o_g, o_e), values
         assert torch.equal(s_g, s_e), values
+
+
+def test_warmup_leaves_nothing_to_compile() -> None:
+    """After a warm-up on 64 tokens, calls at other lengths (T not a multiple of 16, an odd number of chunk slots;
+    the output stage's other form at T = 4096) are captured with nothing left to compile: no Triton kernel cache of
+    the forward grows."""
+    from kda_ops.triton import chunk_cumsum, chunk_map, chunk_output, chunk_prepare, chunk_state
+
+    kernels = (chunk_map.dense_map_kernel, chunk_cumsum.chunk_cumsum_kernel, chunk_prepare.chunk_prepare_kernel,
+               chunk_prepare.chunk_prepare_blocks_kernel, chunk_state.chunk_state_kernel,
+               chunk_output.chunk_output_kernel)  # fmt: skip
+
+    def compiled() -> int:
+        return sum(len(c[0]) for kernel in kernels for c in kernel.device_caches.values())
+
+    x = _case("l2norm", 1, 4096, 32, 128, 128, HV=32, dtype=BF16)
+
+    def head(n: int) -> dict[str, Any]:
+        return {name: t[:, :n] if name in ("q", "k", "v", "g", "beta") else t for name, t in x.items()}
+
+    kda_ops.warmup(**head(64), output_final_state=True)
+    before = compiled()
+    for T in (1000, 4096, 127):
+        xt = head(T)
+        with torch.no_grad():
+            ref = kda_ops.chunk_kda(**xt, output_final_state=True)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = kda_ops.chunk_kda(**xt, output_final_state=True)
+            graph.replay()
+        assert out[1] is not None and ref[1] is not None
+        assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1]), T
+        assert compiled() == before, T
 
 
 def test_compiled_graph_serves_any_cu_seqlens() -> None:

@@ -35,7 +35,20 @@ import triton.language as tl
 from torch import Tensor
 
 from kda_ops.common import Options, state_dtype
-from kda_ops.triton.chunk_common import BT, cdiv, col_mask, compute_dtype, contiguous, launch, pow2, slot_rows, store2
+from kda_ops.triton.chunk_common import (
+    BT,
+    cdiv,
+    col_mask,
+    compute_dtype,
+    contiguous,
+    jit_any_length,
+    launch,
+    pdl,
+    pdl_enter,
+    pow2,
+    slot_rows,
+    store2,
+)
 from kda_ops.triton.debug import poison
 from kda_ops.triton.launch import Launcher
 from kda_ops.varlen import SlotRows
@@ -138,15 +151,16 @@ def block_decays(g3, NB: tl.constexpr):
     return w, s, tl.sum(g3, axis=1)
 
 
-@triton.jit
+@jit_any_length
 def chunk_cumsum_kernel(
     g, A_log, dt_bias, Gam, Gl, Sums, slot_start, slot_count, lower_bound, HV,
     K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
     USE_GATE: tl.constexpr, USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr,
-    DT: tl.constexpr, SUMS: tl.constexpr,
+    DT: tl.constexpr, SUMS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Key tile ``program_id(2)`` of every chunk slot and value head: ``Gam`` and ``Gam_last``, or with ``SUMS``
     the tile's :func:`anchor_sums` into ``Sums [NC, HV, 3, K]`` (``g_0``, ``P_last``, ``P_mid``), after the gate."""
+    pdl_enter(PDL)
     i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
     if count == 0:
@@ -209,6 +223,7 @@ def chunk_local_cumsum(
         contiguous(g), A_log, dt_bias, Gam, Gl, None, slots.start, slots.count,
         gate_bound(opts), HV,
         K=K, BK=BK, BT=BT, DT=compute_dtype(g), SUMS=False, **gate_flags(opts, A_log, dt_bias), **launch("cumsum"),
+        **pdl(g.device),
     )  # fmt: skip
     return Gam, Gl
 
@@ -233,7 +248,7 @@ def chunk_anchor_sums(
         (contiguous(g), A_log, dt_bias, None, None, Sums, slots.start, slots.count,
          gate_bound(opts), HV),
         dict(K=K, BK=BK, BT=BT, DT=compute_dtype(g), SUMS=True, **gate_flags(opts, A_log, dt_bias),
-             **launch("sums")),
+             **launch("sums"), **pdl(g.device)),
     )  # fmt: skip
     return Sums
 

@@ -11,21 +11,21 @@ during a ``reduce-overhead`` warm-up would live in the CUDA-graph tree's memory 
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
-from kda_ops.triton.chunk_common import BT, cdiv
+from kda_ops.triton.chunk_common import BT, cdiv, jit_any_length, pdl, pdl_enter
 from kda_ops.triton.launch import Launcher
 from kda_ops.varlen import ChunkMap, chunk_map, num_chunk_slots
 
 BLOCK = 1024
 
 
-@triton.jit
-def dense_map_kernel(buf, B, T, NC, nch, C: tl.constexpr, BLOCK: tl.constexpr):
+@jit_any_length
+def dense_map_kernel(buf, B, T, NC, nch, C: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Entry ``i`` of each part of ``buf = [start (NC) | count (NC) | cu (B + 1) | offset (B)]``: slot ``i`` is
     chunk ``j = i - seq * nch`` of sequence ``seq = min(i // nch, B - 1)`` (the last sequence's trailing slots have
     ``j >= nch``: count 0)."""
+    pdl_enter(PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     seq = tl.minimum(i // nch, B - 1)
     j = i - seq * nch
@@ -44,7 +44,8 @@ def slot_map(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.devi
     nch = cdiv(T, BT)
     NC = num_chunk_slots(B * T, B, BT)
     buf = torch.empty(2 * NC + 2 * B + 1, dtype=torch.int64, device=device)
-    _launch_map((cdiv(max(NC, B + 1), BLOCK),), (buf, B, T, NC, nch), {"C": BT, "BLOCK": BLOCK, "num_warps": 4})
+    meta = {"C": BT, "BLOCK": BLOCK, "num_warps": 4, **pdl(device)}
+    _launch_map((cdiv(max(NC, B + 1), BLOCK),), (buf, B, T, NC, nch), meta)
     start, count, cu, offset = torch.split(buf, [NC, NC, B + 1, B])
     return ChunkMap(cu, start, count, offset)
 

@@ -23,8 +23,12 @@ from kda_ops.triton.chunk_common import (
     compute_dtype,
     contiguous,
     head_factors,
+    jit_any_length,
     launch,
     mm,
+    num_sms,
+    pdl,
+    pdl_enter,
     persistent_programs,
     pow2,
     scale_rows,
@@ -35,6 +39,13 @@ from kda_ops.triton.debug import poison
 from kda_ops.triton.launch import Launcher
 from kda_ops.varlen import SlotRows
 
+# (chunk slot, value head) pairs per SM below which the 16-bit path takes a program per item at value tile 64 rather
+# than a program per SM walking 128-wide items. B1 H32 bf16 prefill on the H200 (triton 3.6, 2026-11-30, fresh
+# processes, `.scratch/pv.py`: graph-replayed forward µs, the stage's kernel µs by torch.profiler): T = 1024 (4.1
+# pairs per SM) 118.3 -> 116.3 (stage 18.3 -> 16.3); T = 2048 (8.0) 210.9 -> 212.1 (29.8 -> 31.2); T = 4096 392 ->
+# 394.5; T = 8192 746 -> 752.
+FEW_ITEMS_PER_SM = 6
+
 
 @triton.jit
 def output_tile(qt, S, A, E, nq, PREC: tl.constexpr, DT: tl.constexpr, NORMS: tl.constexpr):
@@ -43,12 +54,13 @@ def output_tile(qt, S, A, E, nq, PREC: tl.constexpr, DT: tl.constexpr, NORMS: tl
     return scale_rows(mm(qt, S, PREC, DT), nq, NORMS) + mm(A, E, PREC, DT)
 
 
-@triton.jit
+@jit_any_length
 def chunk_output_kernel(
     Qt, Mqk, Hin, E, o, Nq, slot_start, slot_count, NC, HV, T,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    PREC: tl.constexpr, DT: tl.constexpr, NORMS: tl.constexpr, STAGES: tl.constexpr,
+    PREC: tl.constexpr, DT: tl.constexpr, NORMS: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     # Items (chunk slot, value tile, value head), the slot fastest, taken by the programs in turn: as many programs as
     # items (one each), or fewer whose loop the compiler pipelines over STAGES (the next items' tiles load while
     # this one's products and store run). A slot without tokens loads and stores nothing.
@@ -99,7 +111,10 @@ def chunk_output(
     poison(o)
     # 128-wide value tiles (LAUNCH) where measured: 16-bit states, K <= 128. Elsewhere 64: fp32 tiles of K = 256
     # would not fit the shared memory, and at K = 256 in bf16 one program would take 120 KB of it.
-    wide = Hin.element_size() == 2 and K <= 128
+    # Few items (a short prompt: FEW_ITEMS_PER_SM) leave a program per SM little to pipeline: a program per item at
+    # value tile 64 then.
+    few = o.is_cuda and NC * HV < FEW_ITEMS_PER_SM * num_sms(o.device)
+    wide = Hin.element_size() == 2 and K <= 128 and not few
     cfg = launch("output", BV=V if wide else min(V, 64))
     items = NC * cdiv(V, cfg["BV"]) * HV
     if wide or not o.is_cuda:  # programs walking the items: one per SM, its loop pipelined over LAUNCH's stages
@@ -111,7 +126,7 @@ def chunk_output(
         (contiguous(Qt), contiguous(Mqk), contiguous(Hin), contiguous(E), o, None if norms is None else norms[0],
          slots.start, slots.count, NC, HV, T),
         dict(K=K, V=V, BK=pow2(K), BT=BT, PREC=precision.output, DT=compute_dtype(Hin), NORMS=norms is not None,
-             STAGES=cfg["num_stages"], **cfg),
+             STAGES=cfg["num_stages"], **cfg, **pdl(o.device)),
     )  # fmt: skip
     return o
 

@@ -50,9 +50,12 @@ from kda_ops.triton.chunk_common import (
     col_mask,
     compute_dtype,
     contiguous,
+    jit_any_length,
     launch,
     load_beta2,
     mm,
+    pdl,
+    pdl_enter,
     persistent_programs,
     rnorm,
     slot_rows,
@@ -108,7 +111,7 @@ def store_norms(Nrm, nq, nk, tok, m, i_hv, HV, T):
     tl.store(Nrm + (HV + i_hv).to(tl.int64) * T + tok, nk, mask=m)
 
 
-@triton.jit
+@jit_any_length
 def chunk_prepare_kernel(
     q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm, Rqk, Sums, slot_start, slot_count,
     scale, lower_bound, H, HV, T, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -116,8 +119,9 @@ def chunk_prepare_kernel(
     USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr,
     NEG_EIGVAL: tl.constexpr, PREC_INTRA: tl.constexpr, PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr,
     DT: tl.constexpr, STORE_TM: tl.constexpr, ASPAN: tl.constexpr, FOLD: tl.constexpr, PREFETCH: tl.constexpr,
-    GIVEN_NORMS: tl.constexpr, GIVEN_SUMS: tl.constexpr,
+    GIVEN_NORMS: tl.constexpr, GIVEN_SUMS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
@@ -201,7 +205,7 @@ def blocks_chunk(
                         BETA_SIGMOID, NEG_EIGVAL, PREC_SOLVE, PREC_WY, DT, STORE_TM, 1.0, 1.0, False)  # fmt: skip
 
 
-@triton.jit
+@jit_any_length
 def chunk_prepare_blocks_kernel(
     q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm, Rqk, slot_start, slot_count, scale,
     lower_bound, H, HV, T, NI, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -209,8 +213,9 @@ def chunk_prepare_blocks_kernel(
     USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr,
     NEG_EIGVAL: tl.constexpr, PREC_INTRA: tl.constexpr, PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr,
     DT: tl.constexpr, STORE_TM: tl.constexpr, SPAN: tl.constexpr, CHECK_FLAG: tl.constexpr, FOLD: tl.constexpr,
-    GIVEN_NORMS: tl.constexpr, FB: tl.constexpr, FLAG_LOOP: tl.constexpr,
+    GIVEN_NORMS: tl.constexpr, FB: tl.constexpr, FLAG_LOOP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     if CHECK_FLAG and FLAG_LOOP:
         # A few programs, each reading the flags of its blocks of FB items (item i: slot i // HV, value head i % HV)
         # at once and running the flagged ones in turn. With no chunk flagged that is one vector load per block,
@@ -337,6 +342,7 @@ def chunk_prepare(
         PREC_SOLVE=precision.solve, PREC_WY=precision.wy, DT=compute_dtype(v), STORE_TM=store_tm,
         GIVEN_NORMS=norms is not None,
         **gate_flags(opts, A_log, dt_bias),
+        **pdl(q.device),
     )  # fmt: skip
     if anchored:
         prefetch = not opts.use_qk_l2norm or fold

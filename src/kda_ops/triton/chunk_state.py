@@ -39,9 +39,12 @@ from kda_ops.triton.chunk_common import (
     compute_dtype,
     contiguous,
     head_factors,
+    jit_any_length,
     launch,
     mm,
     num_sms,
+    pdl,
+    pdl_enter,
     pow2,
     scale_rows,
     store2,
@@ -107,13 +110,14 @@ def scan_tiles(W, U, Kend, Gl, Nk, tok, eos, c0, j, n_chunks, i_hv, HV, T, o_k, 
     return w, u, ke, gl, nk
 
 
-@triton.jit
+@jit_any_length
 def chunk_state_kernel(
     W, U, Kend, Gl, h0, final, Hin, E, Nk, cu, chunk_off, HV, T,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr, PREC_SCAN: tl.constexpr, DT: tl.constexpr,
-    NORMS: tl.constexpr, X_FORM: tl.constexpr,
+    NORMS: tl.constexpr, X_FORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     # one grid axis (the others stop at 65535), value tiles of one head adjacent: they share W and Kend in L2
     NV: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0)
@@ -216,7 +220,7 @@ def chunk_state(
          None if norms is None else norms[1], cu, offsets, HV, T),
         dict(K=K, V=V, BK=pow2(K), BV=BV, BT=BT, USE_H0=h0 is not None, STORE_FINAL=final is not None,
              PREC_SCAN=precision.scan, DT=compute_dtype(Gl), NORMS=norms is not None, X_FORM=x_form,
-             **launch("scan")),
+             **launch("scan"), **pdl(W.device)),
     )  # fmt: skip
     return Hin, E
 
