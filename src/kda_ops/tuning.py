@@ -16,8 +16,10 @@ scan may pick and both forms of the output stage, leaves nothing to compile for 
         o, state = kda_ops.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, initial_state=h0,
                                      output_final_state=True, cu_seqlens=cu_seqlens)
 
-The recurrent kernels use fixed launch configurations and need no warm-up beyond their first compilation,
-which the same call performs.
+The recurrent kernels use fixed launch configurations; :func:`warmup` compiles them for the example's length and
+for one-token decode steps (a length of 1 is a constant to Triton). Other lengths that are neither 1 nor a
+multiple of 16 (a 3-token speculative step, say), and a serving pool of one slot, are compiled forms of their own:
+make one eager call of such a step before capturing it (``docs/serving.md``).
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ def warmup(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kwargs: A
             chunk_state.BV_OVERRIDE, chunk_output.FEW_ITEMS_PER_SM = old_bv, old_few
     chunk_kda(q, k, v, g, beta, **kwargs)
     recurrent_kda(q, k, v, g, beta, **kwargs)
+    if kwargs.get("cu_seqlens") is None and q.shape[1] > 1:
+        # a decode step (one token per sequence): Triton compiles the recurrent kernel apart for a length of 1
+        recurrent_kda(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], **kwargs)
     torch.cuda.synchronize(q.device)  # sync-ok: warmup runs before capture, by contract
 
 

@@ -323,3 +323,25 @@ def test_cached_launch_equals_triton_launch() -> None:
         odd = call(q_odd)
         assert torch.equal(odd[0], first[0]) and torch.equal(odd[1], first[1])
     assert len(tr._launch_fwd._cache) == keys + 1
+
+
+def test_warmup_compiles_the_decode_step() -> None:
+    """After ``kda_ops.warmup`` on 64 tokens, a one-token decode step is captured with nothing left to compile."""
+    from kda_ops.triton import recurrent
+
+    x = make_inputs(2, 64, 4, 128, 128, HV=8, dtype=BF16, device=DEV)
+    h0 = make_state(2, 8, 128, 128, device=DEV)
+    kda_ops.warmup(**x, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    kernel = recurrent.recurrent_fwd_kernel
+    before = sum(len(c[0]) for c in kernel.device_caches.values())
+    step = {n: t[:, :1] for n, t in x.items()}
+    with torch.no_grad():
+        ref = kda_ops.recurrent_kda(**step, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = kda_ops.recurrent_kda(**step, initial_state=h0, output_final_state=True,
+                                        use_qk_l2norm_in_kernel=True)  # fmt: skip
+        graph.replay()
+    assert sum(len(c[0]) for c in kernel.device_caches.values()) == before
+    assert out[1] is not None and ref[1] is not None
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
