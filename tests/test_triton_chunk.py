@@ -275,6 +275,16 @@ def test_block_pass_flag_loop_over_blocks_and_programs(gates: str, monkeypatch: 
     test_stage_prepare(gates, "l2norm", 1e-5)
 
 
+def test_programmatic_dependent_launch_only_where_supported() -> None:
+    """Off CUDA (and under the interpreter) the forward's kernels launch plainly; the toolkit gate reads versions."""
+    from kda_ops.triton import chunk_common
+
+    assert dict(chunk_common.pdl(torch.device("cpu"))) == {"PDL": False}
+    assert chunk_common.cuda_version("13.0") >= (12, 4) and chunk_common.cuda_version("12.4") >= (12, 4)
+    assert chunk_common.cuda_version("12.1") < (12, 4) and chunk_common.cuda_version(None) < (12, 4)
+    assert chunk_common.cuda_version("abc") == ()
+
+
 @pytest.mark.parametrize("entry", [1.0, -0.3], ids=["alternating_inverse", "growing_inverse"])
 def test_stage_solve_ill_conditioned(entry: float) -> None:
     """The doubling solve on chunks whose every ``Mkk`` entry below the diagonal is ``entry``: with 1.0 (identical

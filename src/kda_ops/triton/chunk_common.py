@@ -163,8 +163,18 @@ _NO_PDL: Mapping[str, bool] = MappingProxyType({"PDL": False})
 
 @functools.cache
 def _pdl(index: int) -> Mapping[str, bool]:
-    on = not interpreting() and torch.cuda.get_device_capability(index)[0] >= 9
+    # CUDA 12.4 and later: the launches are captured into CUDA graphs as programmatic edges (kept off before)
+    on = not interpreting() and cuda_version(torch.version.cuda) >= (12, 4)
+    on = on and torch.cuda.get_device_capability(index)[0] >= 9
     return MappingProxyType({"PDL": True, "launch_pdl": True}) if on else _NO_PDL
+
+
+def cuda_version(text: str | None) -> tuple[int, ...]:
+    """``"12.4"`` as ``(12, 4)``; ``()`` for a build without CUDA (``torch.version.cuda`` is None) or an odd string."""
+    try:
+        return tuple(int(part) for part in (text or "").split(".")[:2])
+    except ValueError:
+        return ()
 
 
 def _index(device: torch.device) -> int:
