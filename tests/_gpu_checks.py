@@ -1,9 +1,11 @@
-"""What the chunk GPU tests share: the sync-and-poison check around a call, and the opt-in to Triton on CUDA."""
+"""What the GPU tests share: the sync-and-poison check around a call, the opt-in to Triton on CUDA, and the count
+of compiled variants of Triton kernels (what a warm-up must leave unchanged)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -30,3 +32,9 @@ def triton_chunk_on_cuda() -> Iterator[None]:
     """The chunk tests run the Triton kernels on CUDA even when an op is out of ops.CUDA_VERIFIED."""
     with ops.cuda_triton("chunk", "chunk_bwd"):
         yield
+
+
+def compiled_variants(*kernels: Any) -> int:
+    """How many compiled forms Triton holds for these ``@triton.jit`` kernels, over every device (its per-device
+    kernel caches, triton 3.6)."""
+    return sum(len(cache[0]) for kernel in kernels for cache in kernel.device_caches.values())

@@ -23,7 +23,7 @@ import kda_ops
 from kda_ops import reference
 from kda_ops.common import Options
 from kda_ops.testing import make_inputs, make_state, rel_err
-from tests._gpu_checks import checked, triton_chunk_on_cuda  # noqa: F401 (a fixture)
+from tests._gpu_checks import checked, compiled_variants, triton_chunk_on_cuda  # noqa: F401 (a fixture)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("triton_chunk_on_cuda")]
 DEV = "cuda"
@@ -258,16 +258,13 @@ def test_warmup_leaves_nothing_to_compile() -> None:
                chunk_prepare.chunk_prepare_blocks_kernel, chunk_state.chunk_state_kernel,
                chunk_output.chunk_output_kernel)  # fmt: skip
 
-    def compiled() -> int:
-        return sum(len(c[0]) for kernel in kernels for c in kernel.device_caches.values())
-
     x = _case("l2norm", 1, 4096, 32, 128, 128, HV=32, dtype=BF16)
 
     def head(n: int) -> dict[str, Any]:
         return {name: t[:, :n] if name in ("q", "k", "v", "g", "beta") else t for name, t in x.items()}
 
     kda_ops.warmup(**head(64), output_final_state=True)
-    before = compiled()
+    before = compiled_variants(*kernels)
     for T in (1000, 4096, 127):
         xt = head(T)
         with torch.no_grad():
@@ -278,7 +275,7 @@ def test_warmup_leaves_nothing_to_compile() -> None:
             graph.replay()
         assert out[1] is not None and ref[1] is not None
         assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1]), T
-        assert compiled() == before, T
+        assert compiled_variants(*kernels) == before, T
 
 
 def test_compiled_graph_serves_any_cu_seqlens() -> None:

@@ -20,6 +20,7 @@ import kda_ops
 from kda_ops import ops
 from kda_ops.reference import naive_recurrent_kda
 from kda_ops.testing import make_inputs, make_state, rel_err
+from tests._gpu_checks import compiled_variants
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -333,7 +334,7 @@ def test_warmup_compiles_the_decode_step() -> None:
     h0 = make_state(2, 8, 128, 128, device=DEV)
     kda_ops.warmup(**x, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     kernel = recurrent.recurrent_fwd_kernel
-    before = sum(len(c[0]) for c in kernel.device_caches.values())
+    before = compiled_variants(kernel)
     step = {n: t[:, :1] for n, t in x.items()}
     with torch.no_grad():
         ref = kda_ops.recurrent_kda(**step, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
@@ -342,6 +343,6 @@ def test_warmup_compiles_the_decode_step() -> None:
             out = kda_ops.recurrent_kda(**step, initial_state=h0, output_final_state=True,
                                         use_qk_l2norm_in_kernel=True)  # fmt: skip
         graph.replay()
-    assert sum(len(c[0]) for c in kernel.device_caches.values()) == before
+    assert compiled_variants(kernel) == before
     assert out[1] is not None and ref[1] is not None
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
