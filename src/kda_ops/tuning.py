@@ -59,7 +59,8 @@ def warmup(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kwargs: A
                 chunk_kda(q, k, v, g, beta, **kwargs)
         finally:
             chunk_state.BV_OVERRIDE, chunk_output.FEW_ITEMS_PER_SM = old_bv, old_few
-    chunk_kda(q, k, v, g, beta, **kwargs)
+    else:  # the reference kernel (the loops above ran every form a default Triton call takes)
+        chunk_kda(q, k, v, g, beta, **kwargs)
     recurrent_kda(q, k, v, g, beta, **kwargs)
     if kwargs.get("cu_seqlens") is None and q.shape[1] > 1:
         # a decode step (one token per sequence): Triton compiles the recurrent kernel apart for a length of 1
