@@ -16,10 +16,11 @@ scan may pick and both forms of the output stage, leaves nothing to compile for 
         o, state = kda_ops.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, initial_state=h0,
                                      output_final_state=True, cu_seqlens=cu_seqlens)
 
-The recurrent kernels use fixed launch configurations; :func:`warmup` compiles them for the example's length and
-for one-token decode steps (a length of 1 is a constant to Triton). Other lengths that are neither 1 nor a
-multiple of 16 (a 3-token speculative step, say), and a serving pool of one slot, are compiled forms of their own:
-make one eager call of such a step before capturing it (``docs/serving.md``).
+The recurrent kernel uses fixed launch configurations and compiles one form for every length and pool size, so
+:func:`warmup` compiles, from the same example, ``recurrent_kda`` and the serving step ``recurrent_kda_update_``
+(with int32 and int64 slot indices) for any number of tokens per sequence: one-token decode steps, speculative
+steps of a few tokens, chunked prefill. ``cu_seqlens`` given or not is part of the form (packed or dense batch):
+warm up with the form the captured calls use (``docs/serving.md``).
 """
 
 from __future__ import annotations
@@ -30,12 +31,17 @@ import torch
 from torch import Tensor
 
 from kda_ops import ops
-from kda_ops.api import chunk_kda, recurrent_kda
+from kda_ops.api import chunk_kda, recurrent_kda, recurrent_kda_update_
+from kda_ops.common import state_dtype
+
+# keyword arguments of chunk_kda / recurrent_kda that the serving step does not take
+_NOT_SERVING = ("initial_state", "output_final_state", "recompute_in_backward")
 
 
 def warmup(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kwargs: Any) -> None:
-    """Compile every Triton kernel that ``chunk_kda(q, k, v, g, beta, **kwargs)`` and
-    ``recurrent_kda(...)`` use, for every value tile the chunk scan may pick, then wait for the device.
+    """Compile every Triton kernel that ``chunk_kda(q, k, v, g, beta, **kwargs)``, ``recurrent_kda(...)`` and the
+    serving step ``recurrent_kda_update_`` with the same options use, for every value tile the chunk scan may pick,
+    then wait for the device.
 
     Pass example inputs with the real ``H``, ``HV``, ``K``, ``V``, dtypes and keyword options (``initial_state``
     and ``output_final_state`` included: each combination is its own compiled kernel); small ``B`` and ``T``
@@ -62,9 +68,15 @@ def warmup(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kwargs: A
     else:  # the reference kernel (the loops above ran every form a default Triton call takes)
         chunk_kda(q, k, v, g, beta, **kwargs)
     recurrent_kda(q, k, v, g, beta, **kwargs)
-    if kwargs.get("cu_seqlens") is None and q.shape[1] > 1:
-        # a decode step (one token per sequence): Triton compiles the recurrent kernel apart for a length of 1
-        recurrent_kda(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], **kwargs)
+    # the serving step from a scratch pool, one slot per sequence (its options without the state arguments)
+    cu = kwargs.get("cu_seqlens")
+    N = q.shape[0] if cu is None else cu.shape[0] - 1
+    pool = torch.zeros(N, v.shape[2], q.shape[3], v.shape[3], device=q.device, dtype=state_dtype(v))
+    options = {name: value for name, value in kwargs.items() if name not in _NOT_SERVING}
+    with torch.no_grad():  # the serving step is not differentiable
+        for dtype in (torch.int32, torch.int64):
+            slots = torch.arange(N, device=q.device, dtype=dtype)
+            recurrent_kda_update_(q, k, v, g, beta, pool, slots, **options)
     torch.cuda.synchronize(q.device)  # sync-ok: warmup runs before capture, by contract
 
 

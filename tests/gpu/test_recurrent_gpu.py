@@ -326,23 +326,42 @@ def test_cached_launch_equals_triton_launch() -> None:
     assert len(tr._launch_fwd._cache) == keys + 1
 
 
-def test_warmup_compiles_the_decode_step() -> None:
-    """After ``kda_ops.warmup`` on 64 tokens, a one-token decode step is captured with nothing left to compile."""
+def test_warmup_compiles_every_step_length() -> None:
+    """After ``kda_ops.warmup`` on 64 tokens, decode steps of 1 and 3 tokens, and the serving step with int32 and
+    int64 slot indices, are captured with nothing left to compile (the kernel does not specialise on the length or
+    the pool's size), each replay equal to its eager call."""
     from kda_ops.triton import recurrent
 
     x = make_inputs(2, 64, 4, 128, 128, HV=8, dtype=BF16, device=DEV)
     h0 = make_state(2, 8, 128, 128, device=DEV)
-    kda_ops.warmup(**x, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    opts: dict[str, Any] = dict(use_qk_l2norm_in_kernel=True)
+    kda_ops.warmup(**x, initial_state=h0, output_final_state=True, **opts)
     kernel = recurrent.recurrent_fwd_kernel
     before = compiled_variants(kernel)
-    step = {n: t[:, :1] for n, t in x.items()}
-    with torch.no_grad():
-        ref = kda_ops.recurrent_kda(**step, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = kda_ops.recurrent_kda(**step, initial_state=h0, output_final_state=True,
-                                        use_qk_l2norm_in_kernel=True)  # fmt: skip
-        graph.replay()
+
+    def captured(fn: Any) -> tuple[Any, Any]:
+        with torch.no_grad():
+            ref = fn()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = fn()
+            graph.replay()
+        return out, ref
+
+    for T in (1, 3):
+        step = {n: t[:, :T] for n, t in x.items()}
+        out, ref = captured(lambda: kda_ops.recurrent_kda(**step, initial_state=h0, output_final_state=True, **opts))
+        assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1]), T
+    for dtype in (torch.int32, torch.int64):
+        step = {n: t[:, :1] for n, t in x.items()}
+        pool = make_state(5, 8, 128, 128, device=DEV)
+        slots = torch.tensor([3, 1], device=DEV, dtype=dtype)
+        start = pool.clone()
+
+        def serve() -> torch.Tensor:
+            pool.copy_(start)  # each call from the same pool, so the replay repeats the eager step
+            return kda_ops.recurrent_kda_update_(**step, state_pool=pool, state_indices=slots, **opts)
+
+        out, ref = captured(serve)
+        assert torch.equal(out, ref), dtype
     assert compiled_variants(kernel) == before
-    assert out[1] is not None and ref[1] is not None
-    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
