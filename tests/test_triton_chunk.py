@@ -487,6 +487,21 @@ def test_warmup_is_public_and_a_noop_on_the_cpu() -> None:
     kda_ops.warmup(x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=True)
 
 
+def test_warmup_passes_each_function_only_its_own_options() -> None:
+    """``kda_ops.warmup`` takes ``chunk_kda``'s keyword options and hands ``recurrent_kda`` and the serving step
+    those each accepts: every option of ``chunk_kda`` is one of theirs or left out by name."""
+    import inspect
+
+    from kda_ops import tuning
+
+    def options(fn: Any) -> set[str]:
+        return {p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY}
+
+    chunk = options(kda_ops.chunk_kda)
+    assert chunk - set(tuning._CHUNK_ONLY) == options(kda_ops.recurrent_kda)
+    assert chunk - set(tuning._NOT_SERVING) == options(kda_ops.recurrent_kda_update_)
+
+
 @pytest.mark.parametrize(("B", "T"), [(1, 1), (1, 64), (2, 63), (3, 65), (7, 130), (2, 1000), (3, 40000)])
 def test_dense_slot_map_equals_the_torch_map(B: int, T: int) -> None:
     """The one-launch map of a dense batch (several programs at T = 40000) equals ``varlen.chunk_map``'s, and with

@@ -34,8 +34,13 @@ from kda_ops import ops
 from kda_ops.api import chunk_kda, recurrent_kda, recurrent_kda_update_
 from kda_ops.common import state_dtype
 
-# keyword arguments of chunk_kda / recurrent_kda that the serving step does not take
-_NOT_SERVING = ("initial_state", "output_final_state", "recompute_in_backward")
+# keyword arguments of chunk_kda that recurrent_kda does not take, and those the serving step does not take either
+_CHUNK_ONLY = ("recompute_in_backward",)
+_NOT_SERVING = ("initial_state", "output_final_state", *_CHUNK_ONLY)
+
+
+def _without(kwargs: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    return {name: value for name, value in kwargs.items() if name not in names}
 
 
 def warmup(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kwargs: Any) -> None:
@@ -67,12 +72,12 @@ def warmup(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kwargs: A
             chunk_state.BV_OVERRIDE, chunk_output.FEW_ITEMS_PER_SM = old_bv, old_few
     else:  # the reference kernel (the loops above ran every form a default Triton call takes)
         chunk_kda(q, k, v, g, beta, **kwargs)
-    recurrent_kda(q, k, v, g, beta, **kwargs)
+    recurrent_kda(q, k, v, g, beta, **_without(kwargs, _CHUNK_ONLY))
     # the serving step from a scratch pool, one slot per sequence (its options without the state arguments)
     cu = kwargs.get("cu_seqlens")
     N = q.shape[0] if cu is None else cu.shape[0] - 1
     pool = torch.zeros(N, v.shape[2], q.shape[3], v.shape[3], device=q.device, dtype=state_dtype(v))
-    options = {name: value for name, value in kwargs.items() if name not in _NOT_SERVING}
+    options = _without(kwargs, _NOT_SERVING)
     with torch.no_grad():  # the serving step is not differentiable
         for dtype in (torch.int32, torch.int64):
             slots = torch.arange(N, device=q.device, dtype=dtype)
