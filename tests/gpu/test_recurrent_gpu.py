@@ -9,6 +9,7 @@ the comparison. The comparisons themselves (which do read values on the host) ru
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -348,20 +349,20 @@ def test_warmup_compiles_every_step_length() -> None:
             graph.replay()
         return out, ref
 
+    def decode(step: dict[str, torch.Tensor]) -> Any:
+        return kda_ops.recurrent_kda(**step, initial_state=h0, output_final_state=True, **opts)
+
+    def serve(step: dict[str, torch.Tensor], pool: torch.Tensor, start: torch.Tensor, slots: torch.Tensor) -> Any:
+        pool.copy_(start)  # each call from the same pool, so the replay repeats the eager step
+        return kda_ops.recurrent_kda_update_(**step, state_pool=pool, state_indices=slots, **opts)
+
     for T in (1, 3):
-        step = {n: t[:, :T] for n, t in x.items()}
-        out, ref = captured(lambda: kda_ops.recurrent_kda(**step, initial_state=h0, output_final_state=True, **opts))
+        out, ref = captured(functools.partial(decode, {n: t[:, :T] for n, t in x.items()}))
         assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1]), T
     for dtype in (torch.int32, torch.int64):
-        step = {n: t[:, :1] for n, t in x.items()}
-        pool = make_state(5, 8, 128, 128, device=DEV)
+        start = make_state(5, 8, 128, 128, device=DEV)
         slots = torch.tensor([3, 1], device=DEV, dtype=dtype)
-        start = pool.clone()
-
-        def serve() -> torch.Tensor:
-            pool.copy_(start)  # each call from the same pool, so the replay repeats the eager step
-            return kda_ops.recurrent_kda_update_(**step, state_pool=pool, state_indices=slots, **opts)
-
-        out, ref = captured(serve)
+        step = {n: t[:, :1] for n, t in x.items()}
+        out, ref = captured(functools.partial(serve, step, start.clone(), start, slots))
         assert torch.equal(out, ref), dtype
     assert compiled_variants(kernel) == before
