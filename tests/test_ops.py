@@ -244,3 +244,12 @@ def test_eager_calls_skip_the_dispatcher_only_when_it_would_only_pick_the_kernel
         kda_ops.recurrent_kda(**x)
     kda_ops.recurrent_kda(**{**x, "q": torch.nn.Parameter(x["q"], requires_grad=False)})
     assert len(direct_calls) == 4
+    # meta tensors (shape inference): the dispatcher's fake kernels, outputs of the contract's shapes
+    meta = {name: t.to("meta") for name, t in x.items()}
+    for fn in (kda_ops.chunk_kda, kda_ops.recurrent_kda):
+        o, s = fn(**meta, initial_state=h0.to("meta"), output_final_state=True)
+        assert o.device.type == "meta" and o.shape == x["v"].shape and s is not None and s.shape == h0.shape
+    slots = torch.tensor([2, 0], device="meta")
+    o = kda_ops.recurrent_kda_update_(**meta, state_pool=pool.to("meta"), state_indices=slots)
+    assert o.device.type == "meta" and o.shape == x["v"].shape
+    assert len(direct_calls) == 4

@@ -129,6 +129,7 @@ def _options(
 # -------------------------------------------------------------------------------------- eager fast path
 
 # The kernel function of each forward op and of the serving op: what the dispatcher calls on every backend.
+_DIRECT_DEVICES = ("cpu", "cuda")
 _DIRECT: dict[Any, Callable[..., Any]] = {}
 
 
@@ -137,14 +138,17 @@ def direct(op: Any, tensors: tuple[Optional[Tensor], ...]) -> Optional[Callable[
     directly is the same call; else None (call the op).
 
     It is the same call when the dispatcher would do nothing but pick it: the call is eager (not traced by
-    ``torch.compile`` or ``torch.export``), no torch function or dispatch mode is active, every tensor is a plain
-    ``torch.Tensor`` (no fake, functional or subclass tensor) and, with grad mode on, none requires grad (autograd
-    would record the op). An eager decode step then skips ~9 µs of dispatcher, ~12 µs outside inference_mode
-    (H200 host, torch 2.11, 2026-11-29). Checking costs ~0.5 µs.
+    ``torch.compile`` or ``torch.export``), the tensors are on the CPU or a CUDA device (those the op's kernel
+    serves: on the meta device the dispatcher runs the fake kernel), no torch function or dispatch mode is active,
+    every tensor is a plain ``torch.Tensor`` (no fake, functional or subclass tensor) and, with grad mode on, none
+    requires grad (autograd would record the op). An eager decode step then skips ~9 µs of dispatcher, ~12 µs
+    outside inference_mode (H200 host, torch 2.11, 2026-11-29). Checking costs ~0.5 µs.
     """
     fn = _DIRECT.get(op)
     if (
         fn is None
+        or tensors[0] is None
+        or tensors[0].device.type not in _DIRECT_DEVICES  # meta tensors: the dispatcher picks the fake kernel
         or torch.compiler.is_compiling()
         or torch._C._len_torch_dispatch_stack()
         or torch._C._is_torch_function_mode_enabled()
