@@ -178,9 +178,9 @@ def token_transform(xq, xk, xg, xb, b_a, b_dt, scale, lower_bound, DT: tl.conste
 # No specialisation on the length ``T`` or the pool's slot count ``NS``: Triton would otherwise compile a kernel for
 # T == 1 (a decode step), for T divisible by 16 and for any other T (a 3-token speculative step), each a compile a
 # CUDA-graph capture after a warm-up could meet. One form serves every length; B = 64 gained 1 µs, B = 1 moved
-# within noise (H200, triton 3.6, 2026-11-30, `.scratch/dec.py` (decode step under a CUDA graph, do_bench / cold µs, two processes of each,
-# alternating): B = 64 recurrent 72.5 / 72.6 -> 71.5 / 71.6 (cold 68.7 / 68.5 -> 67.6 / 67.9), serving 75.7 / 76.0
-# -> 74.8 / 75.3; B = 1 recurrent 7.4 / 7.6 -> 7.6 / 7.7, serving 7.9 / 8.4 -> 8.0 / 7.7).
+# within noise. H200, triton 3.6, 2026-11-30, `.scratch/dec.py` (decode step under a CUDA graph, do_bench / cold
+# µs, two processes of each, alternating): B = 64 recurrent 72.5 / 72.6 -> 71.5 / 71.6 (cold 68.7 / 68.5 -> 67.6 /
+# 67.9), serving 75.7 / 76.0 -> 74.8 / 75.3; B = 1 recurrent 7.4 / 7.6 -> 7.6 / 7.7, serving 7.9 / 8.4 -> 8.0 / 7.7.
 @triton.jit(do_not_specialize=["T", "NS"])
 def recurrent_fwd_kernel(
     q,  # [B*T, H, K]
