@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from kda_ops import ops
+from kda_ops.common import num_sequences
 
 MAX_HEAD_DIM = 256
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -268,7 +269,7 @@ def recurrent_kda(
 def _validate_pool(q: Tensor, v: Tensor, state_pool: Tensor, state_indices: Tensor, cu_seqlens: Tensor | None) -> None:
     """Check the serving step's pool and slot indices (after :func:`_validate` checked the rest)."""
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
-    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    N = num_sequences(q, cu_seqlens)
     _check_float("state_pool", state_pool)
     if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (HV, K, V):
         _fail(ValueError, "state_pool", f"shape [S, HV, K, V] with HV, K, V = {HV}, {K}, {V}", list(state_pool.shape))

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from kda_ops import ops
 from kda_ops.api import chunk_kda, recurrent_kda, recurrent_kda_update_
-from kda_ops.common import state_dtype
+from kda_ops.common import num_sequences, state_dtype
 
 # keyword arguments of chunk_kda that recurrent_kda does not take, and those the serving step does not take either
 _CHUNK_ONLY = ("recompute_in_backward",)
@@ -74,8 +74,7 @@ def warmup(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kwargs: A
         chunk_kda(q, k, v, g, beta, **kwargs)
     recurrent_kda(q, k, v, g, beta, **_without(kwargs, _CHUNK_ONLY))
     # the serving step from a scratch pool, one slot per sequence (its options without the state arguments)
-    cu = kwargs.get("cu_seqlens")
-    N = q.shape[0] if cu is None else cu.shape[0] - 1
+    N = num_sequences(q, kwargs.get("cu_seqlens"))
     pool = torch.zeros(N, v.shape[2], q.shape[3], v.shape[3], device=q.device, dtype=state_dtype(v))
     options = _without(kwargs, _NOT_SERVING)
     with torch.no_grad():  # the serving step is not differentiable
