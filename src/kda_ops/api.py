@@ -135,13 +135,8 @@ def _check_cu_seqlens_values(cu_seqlens: Tensor, T: int) -> None:
         _fail(ValueError, "cu_seqlens", "non-decreasing values", cu)
 
 
-def _trains(*tensors: Tensor | None) -> bool:
-    """Whether autograd records a call on these inputs (grad mode on and one of them requires grad)."""
-    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
-
-
 def _run(
-    op: Any,
+    entry: Any,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -158,27 +153,14 @@ def _run(
     lower_bound: float | None,
     use_beta_sigmoid_in_kernel: bool,
     allow_neg_eigval: bool,
+    *extra: bool,
 ) -> tuple[Tensor, Tensor | None]:
     s = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound)
-    fn = ops.direct(op, (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)) or op
-    o, final, *_kept = fn(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        s,
-        initial_state,
-        cu_seqlens,
-        A_log,
-        dt_bias,
-        None if lower_bound is None else float(lower_bound),
-        bool(output_final_state),
-        bool(use_qk_l2norm_in_kernel),
-        bool(use_gate_in_kernel),
-        bool(use_beta_sigmoid_in_kernel),
-        bool(allow_neg_eigval),
-    )
+    o, final = entry(
+        q, k, v, g, beta, s, initial_state, cu_seqlens, A_log, dt_bias,
+        None if lower_bound is None else float(lower_bound), bool(output_final_state), bool(use_qk_l2norm_in_kernel),
+        bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval), *extra,
+    )  # fmt: skip
     return o, (final if output_final_state else None)
 
 
@@ -229,14 +211,10 @@ def chunk_kda(
     allow_neg_eigval: bool = False,
     recompute_in_backward: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    op = ops.chunk
-    if not recompute_in_backward and _trains(q, k, v, g, beta, initial_state, A_log, dt_bias):
-        # the training pair keeps the forward's factors for the backward where the Triton kernels run
-        op = ops.chunk_train if ops.uses_triton("chunk_train", q.device) else op
     return _run(
-        op, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+        ops.run_chunk, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
         use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel,
-        allow_neg_eigval,
+        allow_neg_eigval, bool(recompute_in_backward),
     )  # fmt: skip
 
 
@@ -260,7 +238,7 @@ def recurrent_kda(
     allow_neg_eigval: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     return _run(
-        ops.recurrent, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+        ops.run_recurrent, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
         use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel,
         allow_neg_eigval,
     )  # fmt: skip
@@ -339,14 +317,11 @@ def recurrent_kda_update_(
     """
     s = _validate(q, k, v, g, beta, scale, None, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound)
     _validate_pool(q, v, state_pool, state_indices, cu_seqlens)
-    op = ops.recurrent_update_
-    fn = ops.direct(op, (q, k, v, g, beta, state_pool, state_indices, cu_seqlens, A_log, dt_bias)) or op
-    o: Tensor = fn(
+    return ops.run_update(
         q, k, v, g, beta, state_pool, state_indices, s, cu_seqlens, A_log, dt_bias,
         None if lower_bound is None else float(lower_bound), bool(use_qk_l2norm_in_kernel),
         bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval),
     )  # fmt: skip
-    return o
 
 
 chunk_kda.__doc__ = (
@@ -366,4 +341,3 @@ recurrent_kda.__doc__ = (
 )
 
 __all__ = ["chunk_kda", "recurrent_kda", "recurrent_kda_update_"]
-_ = ops  # importing kda_ops.ops registers torch.ops.kda.*

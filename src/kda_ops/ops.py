@@ -32,9 +32,13 @@ Schemas (``torch.ops.kda.*``)::
         the serving step: reads and writes state_pool [S, HV, K, V] in place at state_indices [N] (-1: padding);
         defined with Library.define rather than custom_op (eager overhead, see its section), not differentiable
 
-Kernels: on CUDA the Triton kernels where :data:`TRITON_KERNELS` lists one, else the PyTorch reference; on the CPU
-the reference, or the Triton kernels under ``TRITON_INTERPRET=1`` when :func:`cpu_backend` selects ``"triton"``
-(the test switch). The choice is explicit: nothing falls back silently when a Triton kernel fails.
+Kernels: on CUDA the Triton kernels (:data:`TRITON_KERNELS`); on the CPU the PyTorch reference, or the Triton
+kernels under ``TRITON_INTERPRET=1`` when :func:`cpu_backend` selects ``"triton"`` (the test switch). The choice is
+explicit: nothing falls back silently when a Triton kernel fails.
+
+The public functions of :mod:`kda_ops.api` call one entry each, :func:`run_chunk`, :func:`run_recurrent` and
+:func:`run_update`, which pick the op (the training pair where autograd records a chunk call on the Triton
+kernels), and call its kernel function directly where the dispatcher would only pick it (:func:`_direct`).
 """
 
 import contextlib
@@ -49,33 +53,12 @@ from torch import Tensor
 from kda_ops import reference
 from kda_ops.common import Options, backward_outputs, forward_outputs, num_sequences, state_dtype
 
-# Ops with a Triton kernel: it runs on the CPU under the "triton" CPU backend (the interpreter tests).
+# Ops with a Triton kernel: on CUDA they run it; on the CPU under the "triton" CPU backend (the interpreter tests).
 TRITON_KERNELS: frozenset[str] = frozenset(
     {"chunk", "chunk_bwd", "chunk_train", "chunk_bwd_saved", "recurrent", "recurrent_bwd", "recurrent_update_"}
 )
-# Ops whose Triton kernel has passed the GPU test suite on the H200 and so runs on CUDA by default: all of them
-# since 2026-11-29 (tests/gpu: chunk 51 + 17 passed, recurrent 32), the training pair since 2026-11-30 (chunk_bwd
-# 18 passed, models 11). A kernel added later stays out of this set, and CUDA calls of its op take the reference,
-# until it passes; `cuda_triton(...)` or KDA_OPS_CUDA_TRITON=<op> opts in meanwhile. (The training pair has no
-# reference kernel: it keeps the Triton pipeline's own factors, and `chunk_kda` calls it only where Triton runs.)
-CUDA_VERIFIED: frozenset[str] = TRITON_KERNELS
 
 _cpu_backend = os.environ.get("KDA_OPS_CPU_BACKEND", "reference")
-_cuda_triton = CUDA_VERIFIED | frozenset(filter(None, os.environ.get("KDA_OPS_CUDA_TRITON", "").split(",")))
-
-
-@contextlib.contextmanager
-def cuda_triton(*names: str) -> Iterator[None]:
-    """Run the Triton kernels of the ops ``names`` on CUDA too (tests and benchmarks of unverified kernels)."""
-    global _cuda_triton
-    unknown = set(names) - TRITON_KERNELS
-    if unknown:
-        raise ValueError(f"cuda_triton: expected op names among {sorted(TRITON_KERNELS)}, got {sorted(unknown)}")
-    old, _cuda_triton = _cuda_triton, _cuda_triton | frozenset(names)
-    try:
-        yield
-    finally:
-        _cuda_triton = old
 
 
 @contextlib.contextmanager
@@ -95,9 +78,7 @@ def uses_triton(op: str, device: torch.device) -> bool:
     """Whether ``torch.ops.kda.<op>`` runs its Triton kernel for tensors on ``device`` (else the reference)."""
     if op not in TRITON_KERNELS:
         return False
-    if device.type == "cuda":
-        return op in _cuda_triton
-    return device.type == "cpu" and _cpu_backend == "triton"
+    return device.type == "cuda" or (device.type == "cpu" and _cpu_backend == "triton")
 
 
 def _triton_only(op: str, device: torch.device) -> Callable[..., Any]:
@@ -133,7 +114,7 @@ _DIRECT_DEVICES = ("cpu", "cuda")
 _DIRECT: dict[Any, Callable[..., Any]] = {}
 
 
-def direct(op: Any, tensors: tuple[Optional[Tensor], ...]) -> Optional[Callable[..., Any]]:
+def _direct(op: Any, tensors: tuple[Optional[Tensor], ...]) -> Optional[Callable[..., Any]]:
     """The function that ``op`` (a forward op or the serving op) would run on these tensor inputs, when calling it
     directly is the same call; else None (call the op).
 
@@ -142,7 +123,7 @@ def direct(op: Any, tensors: tuple[Optional[Tensor], ...]) -> Optional[Callable[
     serves: on the meta device the dispatcher runs the fake kernel), no torch function or dispatch mode is active,
     every tensor is a plain ``torch.Tensor`` (no fake, functional or subclass tensor) and, with grad mode on, none
     requires grad (autograd would record the op). An eager decode step then skips ~9 µs of dispatcher, ~12 µs
-    outside inference_mode (H200 host, torch 2.11, 2026-11-29). Checking costs ~0.5 µs.
+    outside inference_mode (H200 host, torch 2.11). Checking costs ~0.5 µs.
     """
     fn = _DIRECT.get(op)
     if (
@@ -360,7 +341,7 @@ def _(
     use_qk_l2norm_in_kernel: bool,
     *rest: bool,
 ) -> _Out11:
-    from kda_ops.triton.chunk_bwd_recompute import recomputed_empty  # the op runs only where triton does
+    from kda_ops.triton.chunk.recompute import recomputed_empty  # the op runs only where triton does
 
     o, final = forward_outputs(q, v, cu_seqlens, output_final_state)
     fw = recomputed_empty(q, v, num_sequences(q, cu_seqlens))
@@ -534,3 +515,101 @@ def _autograd(bwd_op: Any) -> Callable[..., tuple[Optional[Tensor], ...]]:
 torch.library.register_autograd("kda::chunk", _autograd(chunk_bwd), setup_context=_setup_context, lib=_lib)
 torch.library.register_autograd("kda::recurrent", _autograd(recurrent_bwd), setup_context=_setup_context, lib=_lib)
 chunk_train.register_autograd(_autograd(chunk_bwd_saved), setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------- the public entries
+
+
+def _trains(*tensors: Optional[Tensor]) -> bool:
+    """Whether autograd records a call on these inputs (grad mode on and one of them requires grad)."""
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+
+
+def run_chunk(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    lower_bound: Optional[float],
+    output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool,
+    use_gate_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool,
+    allow_neg_eigval: bool,
+    recompute_in_backward: bool,
+) -> tuple[Tensor, Tensor]:
+    """``kda::chunk`` on validated arguments, or the training pair ``kda::chunk_train`` where autograd records the
+    call on the Triton kernels and ``recompute_in_backward`` is off (the forward keeps its factors for the
+    backward); ``(o, final_state)``."""
+    tensors = (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
+    op = chunk
+    if not recompute_in_backward and _trains(*tensors) and uses_triton("chunk_train", q.device):
+        op = chunk_train
+    fn = _direct(op, tensors) or op
+    o, final, *_kept = fn(
+        q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, lower_bound, output_final_state,
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+    )  # fmt: skip
+    return o, final
+
+
+def run_recurrent(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    lower_bound: Optional[float],
+    output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool,
+    use_gate_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool,
+    allow_neg_eigval: bool,
+) -> tuple[Tensor, Tensor]:
+    """``kda::recurrent`` on validated arguments; ``(o, final_state)``."""
+    fn = _direct(recurrent, (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)) or recurrent
+    o, final = fn(
+        q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, lower_bound, output_final_state,
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+    )  # fmt: skip
+    return o, final
+
+
+def run_update(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    state_indices: Tensor,
+    scale: float,
+    cu_seqlens: Optional[Tensor],
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    lower_bound: Optional[float],
+    use_qk_l2norm_in_kernel: bool,
+    use_gate_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool,
+    allow_neg_eigval: bool,
+) -> Tensor:
+    """``kda::recurrent_update_`` on validated arguments: the pool updated in place; ``o``."""
+    op = recurrent_update_
+    fn = _direct(op, (q, k, v, g, beta, state_pool, state_indices, cu_seqlens, A_log, dt_bias)) or op
+    o: Tensor = fn(
+        q, k, v, g, beta, state_pool, state_indices, scale, cu_seqlens, A_log, dt_bias, lower_bound,
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+    )  # fmt: skip
+    return o
+

@@ -1,8 +1,8 @@
 """The naive KDA recurrence, token by token: the oracle every schedule is checked against.
 
 Written for clarity, not speed: it loops over sequences and tokens in Python and reads ``cu_seqlens`` on the
-host. It is an oracle for tests, never on an op's call path (the ops use :mod:`kda_ops.reference.recurrent`
-and :mod:`kda_ops.reference.chunk`, which never read tensor values on the host).
+host. It is an oracle for tests, never on an op's call path (the ops use :mod:`kda_ops.reference.recurrent.forward`
+and :mod:`kda_ops.reference.chunk.forward`, which never read tensor values on the host).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from kda_ops.common import Options, state_dtype
-from kda_ops.reference.gates import prepare
+from kda_ops.reference.inputs import prepare
 
 
 def naive_recurrent_kda(
@@ -33,7 +33,7 @@ def naive_recurrent_kda(
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """KDA by its definition (architecture.md, "Recurrence"); same arguments and results as ``kda_ops.chunk_kda``.
+    """KDA by its definition (``docs/math.md``, "The recurrence"); same arguments and results as ``kda_ops.chunk_kda``.
 
     Differentiable with ``torch.autograd``: in float64 it is the oracle for the gradients too.
     """

@@ -1,35 +1,41 @@
-"""A cached launcher for the kernels whose host cost per call matters (the eager decode step).
+"""Launch configuration of every Triton kernel, and the pieces of host code that launch them.
 
-``kernel[grid](*args, **meta)`` binds every argument, computes Triton's specialization key (dtype and 16-byte
-alignment of each pointer, ``== 1`` and divisibility by 16 of each integer, the constexprs), looks the compiled
-kernel up and, with Triton 3.6, builds launch metadata for its (empty) hook chains, on every call. :class:`Launcher`
-does the lookup once per *launch key* and then calls the compiled kernel's launcher directly.
+- :data:`LAUNCH` and :func:`launch`: the fixed configuration of each chunk stage kernel (no autotuning: a call never
+  tunes, and a CUDA-graph capture needs no warm-up beyond the compile); the recurrent kernels size theirs from the
+  head dimensions (:mod:`kda_ops.triton.recurrent.forward`, :mod:`~kda_ops.triton.recurrent.backward`).
+- :func:`pdl`: programmatic dependent launch where the GPU and the CUDA build have it.
+- :func:`jit_any_length`: ``triton.jit`` without specialisation on lengths and map views (one form for every
+  batch and packing).
+- :class:`Launcher`: a cached launch for the kernels whose host cost per call matters (the eager decode step).
+- :func:`poison_outputs`: the test hook that fills every output with NaN before its kernel runs.
 
-Measured: the recurrent launch (``bench_recurrent.py``'s "launch_forward" row) took 29-31 µs of host time on the
-H200 machine both through Triton and through the first version of this class (2026-11-29): that version's own key
-(~7.5 µs of Python on a 2-core CI-class CPU) cost what it saved. This version builds the key in ~2.3 µs and passes
-the arguments without re-ordering them (~4.5 µs in all, against ~7.5 µs); its effect on the H200 host is not
-measured yet.
-
-The launch key is a refinement of Triton's specialization key, so that a hit always finds the kernel Triton itself
-would have picked: the caller's ``meta_key`` (which must determine ``meta``: the constexprs and launch options), the
-device, and per runtime argument its class: a tensor's dtype and ``data_ptr() % 16``, an integer's ``value % 16``,
-``value == 1`` and whether it needs 64 bits, a float, or None. A miss launches through Triton (compiling if needed)
-and keeps the compiled kernel. The cached path is taken only where it is exact: on CUDA, outside the interpreter,
-with no launch hook installed (profilers install one; they then see every launch through Triton's own path). That
-the cached path launches what Triton's own path launches is checked on the GPU (``tests/gpu``).
+:class:`Launcher`. ``kernel[grid](*args, **meta)`` binds every argument, computes Triton's specialization key (dtype
+and 16-byte alignment of each pointer, ``== 1`` and divisibility by 16 of each integer, the constexprs), looks the
+compiled kernel up and builds launch metadata for its (empty) hook chains, on every call. The launcher does the
+lookup once per *launch key* and then calls the compiled kernel's launcher directly; its own key costs ~2.3 µs of
+Python on a 2-core CPU. The launch key is a refinement of Triton's specialization key, so that a hit always finds
+the kernel Triton itself would have picked: the caller's ``meta_key`` (which must determine ``meta``: the
+constexprs and launch options), the device, and per runtime argument its class: a tensor's dtype and ``data_ptr()
+% 16``, an integer's ``value % 16``, ``value == 1`` and whether it needs 64 bits, a float, or None. A miss launches
+through Triton (compiling if needed) and keeps the compiled kernel. The cached path is taken only where it is exact:
+on CUDA, outside the interpreter, with no launch hook installed (profilers install one; they then see every launch
+through Triton's own path). That the cached path launches what Triton's own path launches is checked on the GPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import contextlib
+import functools
+import os
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any
 
 import torch
 import triton
+import triton.language as tl
 from torch import Tensor
-
-from kda_ops.triton.chunk_common import interpreting
 
 
 def _arg_key(args: Sequence[Any]) -> tuple[Any, ...] | None:
@@ -117,8 +123,199 @@ _get_raw_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
 )
 
 
+
+
+# Launch configuration of each stage kernel: fixed, chosen by measurement on the H200 (``python
+# benchmarks/bench_chunk.py --sweep-launch``), so that no call autotunes and a capture needs no warm-up beyond the
+# compile. ``BK``/``BV``: the key/value tile where the stage loops over tiles. Benchmarks override entries.
+LAUNCH: dict[str, dict[str, int]] = {
+    "cumsum": {"num_warps": 4, "num_stages": 1},
+    # chunk_anchor_sums at B1 T32768 H32 on the H200 (2026-11-30): BK 64 with 2 warps 0.140 ms, 4 warps 0.189;
+    # BK 128 with 2 / 4 / 8 warps 0.141 / 0.165 / 0.476; BK 32 with 2 / 4 warps 0.146 / 0.194
+    "sums": {"num_warps": 2, "num_stages": 1},
+    "intra": {"num_warps": 4, "num_stages": 1, "BK": 32},
+    "solve": {"num_warps": 4, "num_stages": 1, "BK": 64, "BV": 64},
+    # stages 1-3 fused (chunk_prepare): the anchored pass, and the block pass of the flagged chunks
+    "prepare": {"num_warps": 4, "num_stages": 1, "BK": 32, "BV": 64},
+    "prepare_blocks": {"num_warps": 8, "num_stages": 1, "BK": 16, "BV": 64},
+    "scan": {"num_warps": 8, "num_stages": 1},
+    # output: BV 128 with 16-bit states and K <= 128 (a program per item: 122 registers, 72 KB shared at K = 128);
+    # chunk_output caps it at 64 elsewhere. B1 T32768 H32 bf16 on the H200 (2026-11-30, a program per item): BV 128 /
+    # 4 warps 0.436 ms, BV 64 / 4 warps 0.460, BV 64 / 8 warps 0.510, BV 128 / 8 warps 0.500, BV 32 / 4 warps 0.836.
+    # Where the tiles are 16-bit and K <= 128, a program per SM walks the (chunk slot, value tile, value head) items
+    # with its loop pipelined over 3 stages (152 registers, 156 KB of shared memory), against a program per item
+    # (three per SM), which leaves each program's loads exposed (chunk_output). B1 T32768 H32 bf16 on the H200
+    # (triton 3.6, 2026-11-30, `.scratch/outexp.py`, same outputs bit for bit): a program per item 0.420 ms (0.409
+    # with E loaded as stored, not through fp32), per SM with 2 / 3 / 4 stages 0.422 / 0.385 / 0.386; programs of
+    # 8 / 16 / 32 consecutive slots, 3 stages, 0.392 / 0.389 / 0.410; 2 programs per SM, 3 stages, at BV 64 0.434,
+    # with 8 warps 0.438.
+    "output": {"num_warps": 4, "num_stages": 3, "BV": 128},
+    # The backward's per-chunk gradient stages (chunk_bwd_dv; chunk_bwd_dqk: its anchored pass, its block pass).
+    # Forward + backward at B1 T32768 H32 bf16 on the H200 (2026-11-29): dqk 8 warps BV 32 27.78 ms, BV 64 26.37;
+    # dv 4 warps BV 32 27.78, 8 warps 29.42, 8 warps BV 64 28.49. Spills (ptxas sm_90, bytes per thread): dqk
+    # 8 warps BV 64 16, BV 32 96, 4 warps 560-608, BK 64 456-1992; dv 4 warps BV 32 32, BK or BV 64 with 4 warps
+    # 256-560. The block pass (flagged chunks only) spills 168 B with 4 warps. Again on 2026-11-30 (fwd + bwd 18.84
+    # ms, dv 3.01): dv with 8 warps at BK 64 / BV 64, BK 64 / BV 32, BK 32 / BV 64 (no spills) 19.24 / 19.82 / 19.78.
+    "dv": {"num_warps": 4, "num_stages": 1, "BK": 32, "BV": 32},
+    "dqk": {"num_warps": 8, "num_stages": 1, "BK": 32, "BV": 64},
+    "dqk_blocks": {"num_warps": 4, "num_stages": 1, "BK": 32, "BV": 32},
+}
+
+
+def launch(stage: str, **tiles: int) -> dict[str, int]:
+    """The ``num_warps``/``num_stages`` of ``stage``'s kernel, and each tile of ``tiles`` (``name=dim``) as the
+    configured tile capped at ``pow2(dim)``: keyword arguments for the launch."""
+    cfg = LAUNCH[stage]
+    out = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    for name, dim in tiles.items():
+        out[name] = min(pow2(dim), cfg[name])
+    return out
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def compute_dtype(x: Tensor) -> Any:
+    """Triton compute type: fp64 for fp64 inputs (exact checks), fp32 otherwise."""
+    return tl.float64 if x.dtype == torch.float64 else tl.float32
+
+
+def contiguous(x: Tensor) -> Tensor:
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def pow2(n: int, lo: int = 16) -> int:
+    """``next_power_of_2(n)``, at least ``lo`` (``tl.dot`` needs every dimension >= 16). Plain Python, as is
+    :func:`cdiv`: Triton's own helpers are constexpr functions that cost microseconds a call from host code, about
+    a dozen of them per forward call."""
+    return max(lo, 1 << (n - 1).bit_length()) if n > 0 else lo
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host code (see :func:`pow2`)."""
+    return -(-a // b)
+
+
+# The forward's kernels are compiled once for every batch length and packing: Triton specialises each integer
+# argument on its divisibility by 16 and each pointer on its 16-byte alignment, so the lengths (``T``, the chunk
+# slots ``NC``, ...) and the chunk map's views (``slot_count`` sits ``8 * NC`` bytes into the map's buffer, the
+# l2norm factors of k ``4 * HV * T`` bytes into theirs) would each make a variant, and a call after
+# ``kda_ops.warmup`` on short inputs could compile inside a CUDA-graph capture. Neither is read in a way that
+# vectorizes (scalar slot bounds, one factor per row).
+jit_any_length = triton.jit(
+    do_not_specialize=["B", "T", "NC", "nch", "NI"],
+    do_not_specialize_on_alignment=["slot_start", "slot_count", "cu", "chunk_off", "Nk", "Nq", "Nrm", "Rqk"],
+)
+
+
+def pdl(device: torch.device) -> Mapping[str, bool]:
+    """Launch options of the kernels that open with :func:`pdl_enter`: programmatic dependent launch where the GPU
+    has it (sm_90 and later, compiled rather than interpreted), so that a kernel's programs are launched, and wait,
+    while the kernel before them finishes, instead of after it (the launch latency off the stream's critical path).
+    Measured on the H200 (triton 3.6, 2026-11-30, `.scratch/pv.py`, fresh processes alternating): the forward at
+    B1 T1024 H32 bf16 under a CUDA graph 117.3 / 117.1 -> 114.3 / 114.3 µs, at T = 8192 750 -> 749 µs.
+    """
+    return _pdl(_index(device)) if device.type == "cuda" else _NO_PDL
+
+
+_NO_PDL: Mapping[str, bool] = MappingProxyType({"PDL": False})
+
+
+@functools.cache
+def _pdl(index: int) -> Mapping[str, bool]:
+    # CUDA 12.4 and later: the launches are captured into CUDA graphs as programmatic edges (kept off before)
+    on = not interpreting() and cuda_version(torch.version.cuda) >= (12, 4)
+    on = on and torch.cuda.get_device_capability(index)[0] >= 9
+    return MappingProxyType({"PDL": True, "launch_pdl": True}) if on else _NO_PDL
+
+
+def cuda_version(text: str | None) -> tuple[int, ...]:
+    """``"12.4"`` as ``(12, 4)``; ``()`` for a build without CUDA (``torch.version.cuda`` is None) or an odd string."""
+    try:
+        return tuple(int(part) for part in (text or "").split(".")[:2])
+    except ValueError:
+        return ()
+
+
+def _index(device: torch.device) -> int:
+    """The index of CUDA ``device``, else of the current device."""
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def num_sms(device: torch.device) -> int:
+    """The SM count of CUDA ``device`` (its index, else the current device), 1 off CUDA; cached per device index, so
+    that a launch pays a dict lookup."""
+    if device.type != "cuda":
+        return 1
+    return _sm_count(_index(device))
+
+
+def persistent_programs(device: torch.device) -> int:
+    """Programs of a kernel whose programs walk its items in turn: one per SM on CUDA; 4 off CUDA, so that the
+    interpreter's tests take a program over several items."""
+    return num_sms(device) if device.type == "cuda" else 4
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+_poison = False
+
+
+@contextlib.contextmanager
+def poison_outputs(enabled: bool = True) -> Iterator[None]:
+    """Fill the outputs of every Triton launcher with NaN (or -1 for integer buffers) before its kernel runs."""
+    global _poison
+    old, _poison = _poison, enabled
+    try:
+        yield
+    finally:
+        _poison = old
+
+
+def poison(*tensors: Tensor | None) -> None:
+    """Fill ``tensors`` with NaN when :func:`poison_outputs` is active; a no-op (one bool test) otherwise."""
+    if not _poison:
+        return
+    for t in tensors:
+        if t is not None and t.numel() > 0:
+            t.fill_(float("nan") if t.is_floating_point() else -1)
+
+
+# ----------------------------------------------------------------------------------------------- forced forms
+
+
+@dataclass
+class Forms:
+    """Kernel forms a launch would otherwise pick from the shapes and the machine, forced (None: pick as usual).
+
+    scan_block_v:    the value tile of the chunk scan (:func:`~kda_ops.triton.chunk.scan.scan_block_v`)
+    output_per_item: the chunk output stage's form: a program per item (True, the short-prompt form, CUDA only)
+                     or a program per SM walking the items (False)
+    """
+
+    scan_block_v: int | None = None
+    output_per_item: bool | None = None
+
+
+forced = Forms()
+
+
+@contextlib.contextmanager
+def force_forms(scan_block_v: int | None = None, output_per_item: bool | None = None) -> Iterator[None]:
+    """Launch the given forms inside the block (:func:`kda_ops.warmup` compiles each; tests and benchmarks run them)."""
+    old = replace(forced)
+    forced.scan_block_v, forced.output_per_item = scan_block_v, output_per_item
+    try:
+        yield
+    finally:
+        forced.scan_block_v, forced.output_per_item = old.scan_block_v, old.output_per_item
+
+
 _CPU = torch.device("cpu")
 # Under the interpreter ``@triton.jit`` made interpreted functions at import: fixed for the process.
 _INTERPRETING = interpreting()
-
-__all__ = ["Launcher"]

@@ -1,0 +1,77 @@
+"""What the chunk oracles share: the chunk-slot layout, the chunk-local cumulative decay, the pairwise decays.
+
+The stage oracles take the flat token stream (``[T, HV, ...]``: a dense batch ``[B, T]`` flattened, or packed
+sequences) and the chunk-slot map of :func:`kda_ops.varlen.chunk_slots`, and return what the matching Triton
+launcher in :mod:`kda_ops.triton.chunk` returns: per-token rows (``Mqk``, ``Mkk``, ``Tm``: row ``t`` holds the row
+of its chunk, ``C`` columns, zero past the chunk's tokens; ``Qt``, ``Kend``, ``W``, ``U``, ``E``) and per-slot
+blocks (``Gam_last``, ``Hin``, ``[NC, HV, ...]``). Inside, tokens are gathered into slots ``[NC, HV, C, ...]``
+(:func:`gather`), computed on per slot, and scattered back (:func:`scatter`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kda_ops.varlen import ChunkSlots
+
+DEFAULT_CHUNK_SIZE = 64
+
+
+def chunk_local_cumsum(g: Tensor) -> Tensor:
+    """``Gam [..., C, K]``: cumulative log decay within each chunk (dim -2)."""
+    return torch.cumsum(g, dim=-2)
+
+
+def pairwise_decay(Gam: Tensor, strict: bool) -> Tensor:
+    """``exp(Gam_i - Gam_j)`` as ``[..., C, C, K]`` where ``j < i`` (``j <= i`` unless strict), else 0."""
+    C = Gam.shape[-2]
+    mask = torch.ones(C, C, dtype=torch.bool, device=Gam.device).tril(-1 if strict else 0)
+    diff = Gam.unsqueeze(-2) - Gam.unsqueeze(-3)
+    return torch.where(mask[..., None], diff, diff.new_full((), float("-inf"))).exp()
+
+
+def pairwise_bwd(a: Tensor, b: Tensor, Gam: Tensor, dX: Tensor, strict: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of ``X[i,j] = sum_d a_id b_jd exp(Gam_id - Gam_jd)`` (causal) to ``a``, ``b`` and ``Gam``."""
+    dec = pairwise_decay(Gam, strict)
+    da = torch.einsum("...ij,...jd,...ijd->...id", dX, b, dec)
+    db = torch.einsum("...ij,...id,...ijd->...jd", dX, a, dec)
+    # d/dGam_i of a_i b_j exp(Gam_i - Gam_j) is the term itself, and minus it for Gam_j
+    dGam = a * da - b * db
+    return da, db, dGam
+
+
+def gather(x: Tensor, index: Tensor) -> Tensor:
+    """Flat tokens ``[T, HV, ...]`` to slots ``[NC, HV, C, ...]``; the spare index T gives zeros."""
+    xp = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+    return xp[index].movedim(2, 1)
+
+
+def scatter(x: Tensor, index: Tensor, T: int) -> Tensor:
+    """Slots ``[NC, HV, C, ...]`` back to flat tokens ``[T, HV, ...]`` (each token lives in exactly one slot)."""
+    flat = x.movedim(1, 2).flatten(0, 1)
+    out = flat.new_zeros(T + 1, *flat.shape[1:]).index_add_(0, index.flatten(), flat)
+    return out[:T]
+
+
+def slot_index(slots: ChunkSlots, C: int, T: int) -> Tensor:
+    """``[NC, C]``: the token of each slot row, or the spare index ``T`` where the row is padding."""
+    rows = torch.arange(C, device=slots.start.device)
+    return torch.where(rows < slots.count[:, None], slots.start[:, None] + rows, T)
+
+
+def expand_heads(x: Tensor, HV: int) -> Tensor:
+    """q or k ``[T, H, K]`` repeated to the value heads ``[T, HV, K]`` (value head ``hv`` reads head ``hv // G``)."""
+    return x.repeat_interleave(HV // x.shape[1], dim=1)
+
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "chunk_local_cumsum",
+    "expand_heads",
+    "gather",
+    "pairwise_bwd",
+    "pairwise_decay",
+    "scatter",
+    "slot_index",
+]

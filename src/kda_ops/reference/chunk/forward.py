@@ -1,0 +1,128 @@
+"""The chunkwise forward, all stages in one pass: the CPU kernel of ``torch.ops.kda.chunk`` and the recompute of
+:mod:`.backward`. Mirrors the driver :mod:`kda_ops.triton.chunk.forward`.
+
+Every formula of ``docs/math.md`` ("The chunkwise form") in order, on the chunk slots of the flat token stream:
+the decays, ``Mqk`` and ``Mkk`` (:func:`~kda_ops.reference.chunk.intra.intra_chunk`), ``Tm`` and the WY factors
+(:mod:`.solve`), the state scan (:func:`~kda_ops.reference.chunk.scan.state_scan`), then ``O = Qt S + Mqk E``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from kda_ops.common import Options, state_dtype
+from kda_ops.reference.chunk.common import (
+    DEFAULT_CHUNK_SIZE,
+    chunk_local_cumsum,
+    gather,
+    scatter,
+    slot_index,
+)
+from kda_ops.reference.chunk.intra import intra_chunk
+from kda_ops.reference.chunk.scan import state_scan
+from kda_ops.reference.chunk.solve import solve_unit_lower, wy_factors
+from kda_ops.reference.inputs import prepare
+from kda_ops.varlen import ChunkSlots, chunk_slots, flat_cu_seqlens
+
+
+@dataclass
+class ChunkState:
+    """What the forward computes per chunk slot, kept for the backward (all ``[NC, HV, ...]``)."""
+
+    slots: ChunkSlots
+    index: Tensor  # [NC, C] token index of each slot row; T (a spare row) where the row is padding
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    g: Tensor
+    beta: Tensor
+    Gam: Tensor
+    Mqk: Tensor
+    Mkk: Tensor
+    Tm: Tensor
+    W: Tensor
+    U: Tensor
+    Hin: Tensor  # state entering each slot  [NC, HV, K, V]
+    E: Tensor  # resolved errors             [NC, HV, C, V]
+    final: Tensor  # [N, HV, K, V]
+
+
+def forward_chunks(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, h0: Tensor, cu: Tensor, C: int
+) -> ChunkState:
+    """The chunk pipeline on prepared flat tensors ``[T, HV, ...]`` with state ``h0 [N, HV, K, V]``."""
+    T = k.shape[0]
+    slots = chunk_slots(cu, T, C)
+    index = slot_index(slots, C, T)
+    qc, kc, vc, gc, bc = (gather(x, index) for x in (q, k, v, g, beta))
+    Gam = chunk_local_cumsum(gc)
+    Mqk, Mkk = intra_chunk(qc, kc, bc, Gam, scale)
+    Tm = solve_unit_lower(Mkk)
+    W, U = wy_factors(Tm, kc, vc, bc, Gam)
+    Gl = Gam[..., -1, :]
+    Kend = kc * (Gl.unsqueeze(-2) - Gam).exp()
+    Hin, E, final = state_scan(W, U, Kend, Gl, h0, slots)
+    return ChunkState(slots, index, qc, kc, vc, gc, bc, Gam, Mqk, Mkk, Tm, W, U, Hin, E, final)
+
+
+def _outputs(st: ChunkState, scale: float) -> Tensor:
+    """``O = Qt S + Mqk E`` per slot."""
+    Qt = scale * st.q * st.Gam.exp()
+    return Qt @ st.Hin + st.Mqk @ st.E
+
+
+def flatten_inputs(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    opts: Options,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Transforms, head expansion and flattening to ``[B*T, HV, ...]``; the state in the compute dtype."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    dtype = state_dtype(v)
+    qp, kp, gp, bp = prepare(q, k, g, beta, A_log, dt_bias, opts, dtype)
+    qp = qp.repeat_interleave(HV // H, dim=2).flatten(0, 1)
+    kp = kp.repeat_interleave(HV // H, dim=2).flatten(0, 1)
+    cu = flat_cu_seqlens(cu_seqlens, B, T, v.device)
+    N = cu.shape[0] - 1
+    h0 = v.new_zeros(N, HV, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype)
+    return qp, kp, v.to(dtype).flatten(0, 1), gp.flatten(0, 1), bp.flatten(0, 1), h0, cu
+
+
+def chunk_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    opts: Options,
+    output_final_state: bool,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[Tensor, Tensor]:
+    """Returns ``o [B, T, HV, V]`` in v's dtype and the final state ``[N, HV, K, V]`` (``(0,)`` when not asked).
+
+    Computes in float32 (float64 for float64 inputs); the final state is float32 (float64).
+    """
+    B, T = q.shape[:2]
+    qp, kp, vp, gp, bp, h0, cu = flatten_inputs(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, opts)
+    st = forward_chunks(qp, kp, vp, gp, bp, scale, h0, cu, chunk_size)
+    o = scatter(_outputs(st, scale), st.index, B * T).unflatten(0, (B, T))
+    final = st.final if output_final_state else st.final.new_empty(0)
+    return o.to(v.dtype), final
+
+
+__all__ = ["ChunkState", "chunk_fwd", "flatten_inputs", "forward_chunks"]

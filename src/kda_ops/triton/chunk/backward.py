@@ -1,0 +1,187 @@
+"""The chunkwise KDA backward in Triton: the driver of the backward stages (``backward.md``).
+
+Per value head, chunks of ``BT = 64`` tokens, the forward's notation (:mod:`kda_ops.triton.chunk`)::
+
+    q, k, g, beta  <- the options (l2norm, gate, beta sigmoid), in torch              (chunk_bwd_gates)
+    Mqk, Qt, Kend, Gam_last, Tm, W, Hin, E  <- the forward, recomputed (chunk_bwd_recompute), or kept by the
+                                               training forward (chunk_fwd_train, kda::chunk_train)
+    dS' (per chunk), dE = Kend dS' + Mqk^T dO, dS = e^{Gam_last} dS' + Qt^T dO - W^T dE
+                                                    reverse scan; dh0 = dS            (chunk_bwd_scan)
+    dv, dMqk, dMkk = -tril(Tm^T dT Tm^T), dKt, dbeta (through U, W, Tm)                (chunk_bwd_dv)
+    dq, dk, dg = revcumsum(dGam), dbeta (through Mqk, Mkk, Qt, Kt, Kend, e^{Gam_last}) (chunk_bwd_dqk)
+    dq, dk summed over each group of value heads; chain rules of the options          (chunk_bwd_gates)
+
+Nothing reads a value on the host and every allocation is shaped by ``T``, ``N`` and the head sizes: the chunk-slot
+map (:func:`kda_ops.triton.chunk_map.slot_map`) is static, the scan reads ``cu_seqlens`` on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kda_ops.common import Options, state_dtype
+from kda_ops.triton.chunk.dqk import chunk_bwd_dqk
+from kda_ops.triton.chunk.dv import chunk_bwd_dv
+from kda_ops.triton.chunk.inputs import prepare, prepare_bwd
+from kda_ops.triton.chunk.recompute import (
+    Recomputed,
+    chunk_bwd_recompute,
+    recompute_precision,
+)
+from kda_ops.triton.chunk.scan_bwd import chunk_bwd_scan
+from kda_ops.triton.chunk.slots import slot_map
+from kda_ops.triton.launch import contiguous, interpreting
+from kda_ops.varlen import flat_cu_seqlens
+
+
+def product_precisions(dtype: torch.dtype) -> tuple[str, str]:
+    """``(PREC, PREC_T)`` of the gradient kernels (the reverse scan's included): the products, and the two through
+    the inverse ``Tm``.
+
+    fp64 exact; fp32 3xTF32 (~2e-7 a product); 16-bit tf32 (~3e-4 a product, within the 8e-3 budget of the
+    gradients), 3xTF32 through the inverse (the error hot spot). The interpreter computes all in exact fp32.
+    Measured on the H200 (triton 3.6, 2026-11-29; B1 H32 bf16, forward + backward at T = 32768, gradient error at
+    T = 1000 vs the float64 oracle; fla-core 0.6.0 on the same inputs: dq 3.36e-3, dk 3.27e-3, dv 3.36e-3, dg
+    3.23e-3, dbeta 3.76e-3): TF32 24.0-24.4 ms, dq 2.51e-3, dk 2.40e-3, dv 2.45e-3, dg 1.83e-3, dbeta 2.47e-3. Not
+    taken: bf16 products in the reverse scan, 23.58 ms (the scan 3.43 -> 2.88 ms) with dv 2.83e-3 and dbeta 2.79e-3
+    on these inputs, but two GPU tests over their bounds (every option with allow_neg_eigval; zero gates, where the
+    state gradient grows without decay and is rounded to bf16 as an operand); bf16 in every gradient kernel,
+    22.82 ms, dg 5.50e-3 and dq 3.35e-3 (worse than fla's).
+    """
+    if dtype == torch.float64 or interpreting():
+        return "ieee", "ieee"
+    if dtype == torch.float32:
+        return "tf32x3", "tf32x3"
+    return "tf32", "tf32x3"
+
+
+# (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)
+Grads = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]
+
+
+def chunk_bwd(
+    do: Tensor,
+    dht: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    opts: Options,
+) -> Grads:
+    """``(dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)``: the signature of ``reference.chunk_bwd``.
+
+    Gradients in the dtypes of their inputs (dh0 in the initial state's); None where an input is absent.
+    ``dht`` (``[N, HV, K, V]``, None or empty: zero) is the gradient of the final state. The forward's factors are
+    recomputed here (the kernel of ``kda::chunk_bwd``, after ``kda::chunk``, which saves only its inputs).
+    """
+    return _gradients(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts, None)
+
+
+def chunk_bwd_saved(
+    do: Tensor,
+    dht: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    opts: Options,
+    saved: tuple[Tensor, ...],
+) -> Grads:
+    """The kernel of ``kda::chunk_bwd_saved``: :func:`chunk_bwd` on the factors that :func:`chunk_fwd_train` kept
+    (``saved = (Mqk, Qt, Kend, Gam_last, Tm, W, Hin, E, norms)``) instead of recomputing them."""
+    return _gradients(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts, saved)
+
+
+def _gradients(
+    do: Tensor,
+    dht: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    opts: Options,
+    saved: tuple[Tensor, ...] | None,
+) -> Grads:
+    """The backward stages on the forward's factors: recomputed when ``saved`` is None, else those given."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    dt = state_dtype(v)
+    G = HV // H
+    if dht is not None and dht.numel() == 0:
+        dht = None
+    qf, kf, vf, gf, bf = (contiguous(x).flatten(0, 1) for x in (q, k, v, g, beta))
+    qp, kp, gp, bp, norms = prepare(qf, kf, gf, bf, A_log, dt_bias, opts, dt, with_norms=saved is None)
+    if saved is not None and opts.use_qk_l2norm:
+        norms = saved[8]
+    dO = contiguous(do).flatten(0, 1)
+    if B * T == 0:
+        N = flat_cu_seqlens(cu_seqlens, B, T, v.device).shape[0] - 1
+        zq, zk, zg, zb = (torch.zeros_like(x, dtype=dt) for x in (qf, kf, gf, bf))
+        dv_t = torch.zeros_like(vf, dtype=dt)
+        dh0: Tensor = torch.zeros(N, HV, K, V, dtype=dt, device=v.device) if dht is None else dht.to(dt, copy=True)
+    else:
+        slots = slot_map(cu_seqlens, B, T, v.device)
+        cu = slots.cu
+        h0 = None if initial_state is None else contiguous(initial_state.to(dt))
+        prec, prec_t = product_precisions(v.dtype)
+        rp = recompute_precision(v.dtype)
+        if saved is None:
+            fw = chunk_bwd_recompute(qp, kp, vf, gp, bp, scale, h0, cu, slots, rp, slots.offset, norms)
+        else:
+            fw = Recomputed(*saved[:8])
+        dht_c = None if dht is None else dht.to(dt)
+        # dS', dMqk, dMkk, dKt through memory in the factors' storage dtype (bf16 for bf16 inputs): each is written
+        # once and read once, never carried (chunk_bwd_scan, chunk_bwd_dv)
+        store = rp.store
+        dE, dSp, dh0_ = chunk_bwd_scan(
+            dO, fw.Mqk, fw.Qt, fw.Kend, fw.W, fw.Gl, dht_c, cu, prec, initial_state is not None, slots.offset, store
+        )
+        # each recomputed intermediate is dropped after its last reader, so that the caching allocator reuses its
+        # memory for the next stage's outputs: Mqk, Qt, Kend and W after the scan, Tm and dE after the dv stage
+        # (measured on the H200 in docs/architecture.md, "Chunk backward: what is saved"); saved ones live on in
+        # the autograd graph until the backward returns
+        Tm, Hin, E, Gl = fw.Tm, fw.Hin, fw.E, fw.Gl
+        del fw
+        dv_t, dbeta_p, dMqk, dMkk, dKt, Gam = chunk_bwd_dv(kp, vf, gp, bp, Tm, Hin, E, dE, dO, slots, prec, prec_t,
+                                                                v.dtype, store, norms)
+        del Tm, dE
+        dq_v, dk_v, zg, zb = chunk_bwd_dqk(qp, kp, Gam, Gl, bp, dMqk, dMkk, dKt, Hin, E, dSp, dO, dbeta_p, scale,
+                                           slots, prec, norms)  # fmt: skip
+        dh0 = dh0_ if dh0_ is not None else dSp.new_empty(0)
+        del Hin, E, dSp, dMqk, dMkk, dKt, Gam
+        # a group's value heads share their q/k head (without groups the view is the sum: no pass over the tensor)
+        zq = dq_v if G == 1 else dq_v.view(B * T, H, G, K).sum(2)
+        zk = dk_v if G == 1 else dk_v.view(B * T, H, G, K).sum(2)
+    dq, dk, dg, dbeta, dA, ddt = prepare_bwd(qf, kf, gf, bf, A_log, dt_bias, opts, zq, zk, zg, zb)
+    return (
+        dq.view_as(q).to(q.dtype),
+        dk.view_as(k).to(k.dtype),
+        dv_t.view_as(v).to(v.dtype),
+        dg.view_as(g).to(g.dtype),
+        dbeta.view_as(beta).to(beta.dtype),
+        None if initial_state is None else dh0.to(initial_state.dtype),
+        None if dA is None or A_log is None else dA.to(A_log.dtype),
+        None if ddt is None or dt_bias is None else ddt.to(dt_bias.dtype),
+    )
+
+
+__all__ = ["chunk_bwd", "chunk_bwd_saved", "product_precisions"]

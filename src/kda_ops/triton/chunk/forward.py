@@ -1,0 +1,150 @@
+"""The chunkwise KDA forward: the driver of the stage kernels (``docs/math.md``, "The chunkwise form").
+
+Per value head, chunks of ``BT = 64`` tokens, incoming state ``S [K, V]``, with ``Tb = Tm diag(beta)`` for
+``Tm = (I + Mkk)^-1`` and ``E = Tb X``::
+
+    Gam, Mqk Tb, Kt = k exp(Gam), Qt, Kb = Tb^T Kend          stages 1-3, one program per chunk      (prepare)
+    X  = V - Kt S,  S' = diag(exp(Gam_last)) S + Kb^T X        the scan over chunks                   (scan)
+    O  = Qt S + (Mqk Tb) X                                     parallel over chunks                   (output)
+
+:func:`chunk_fwd` is the kernel of ``torch.ops.kda.chunk`` (``Gam``, ``Mkk`` and ``Tm`` never leave the chip);
+:func:`chunk_fwd_train` that of ``torch.ops.kda.chunk_train``: the same forward through the backward's recompute,
+keeping the factors the backward reads.
+
+Variable length: the flat token stream (a dense batch ``[B, T]`` is ``B`` sequences of ``T``) is split into a
+static ``cdiv(B*T, BT) + N`` chunk slots built on the device from ``cu_seqlens``; nothing reads a value on the
+host and nothing is allocated by value, so one compiled graph and one captured CUDA graph serve every
+``cu_seqlens`` with the same ``T`` and ``N``. Call :func:`kda_ops.warmup` before a capture: it compiles every
+kernel variant a call can pick.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from kda_ops.common import Options, forward_outputs, num_sequences, state_dtype
+from kda_ops.triton.chunk.inputs import prepare
+from kda_ops.triton.chunk.output import chunk_output
+from kda_ops.triton.chunk.precision import Precision, precision_for
+from kda_ops.triton.chunk.prepare import chunk_prepare
+from kda_ops.triton.chunk.recompute import (
+    chunk_bwd_recompute,
+    clear_empty_slots,
+    recompute_precision,
+    recomputed_empty,
+)
+from kda_ops.triton.chunk.scan import chunk_state
+from kda_ops.triton.chunk.slots import slot_map
+from kda_ops.triton.launch import contiguous, poison
+
+
+def _flat(x: Tensor) -> Tensor:
+    """``[B, T, ...]`` to the flat token stream ``[B*T, ...]`` (contiguous)."""
+    return contiguous(x).flatten(0, 1)
+
+
+def _opt(x: Tensor | None) -> Tensor | None:
+    return None if x is None else contiguous(x)
+
+
+def chunk_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    opts: Options,
+    output_final_state: bool,
+    precision: Precision | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``o [B, T, HV, V]`` in v's dtype and the final state ``[N, HV, K, V]`` fp32 (``(0,)`` when not asked).
+
+    The signature of ``reference.chunk_fwd`` (chunk size fixed at 64); ``precision`` defaults to
+    :func:`~kda_ops.triton.chunk.precision.precision_for` of v's dtype.
+    """
+    B, T = q.shape[:2]
+    v = contiguous(v)
+    o, final = forward_outputs(q, v, cu_seqlens, output_final_state)
+    h0 = None if initial_state is None else contiguous(initial_state.to(state_dtype(v)))
+    if B * T == 0:
+        return o, final_without_tokens(final, h0, output_final_state)
+    p = precision or precision_for(v.dtype)
+    slots = slot_map(cu_seqlens, B, T, v.device)
+    cu = slots.cu
+    poison(o, final)
+    # stages 1-3, fused per chunk, in the X form: Gam; Mqk, Mkk, Qt, Kend; Tm = (I + Mkk)^-1; with
+    # Tb = Tm diag(beta): Mqk Tb, Kt = k exp(Gam), Kb = Tb^T Kend (neither W = Tb Kt nor U = Tb V)
+    vf = _flat(v)
+    f = chunk_prepare(_flat(q), _flat(k), vf, _flat(g), _flat(beta), scale, slots, _opt(A_log), _opt(dt_bias), opts,
+                      p)
+    # stage 4: X = V - Kt S (E = U - W S = Tb X);  S' = exp(Gam_last) S + Kb^T X, keeping the state entering each chunk
+    Hin, X = chunk_state(f.Kt, vf, f.Kb, f.Gl, h0, cu, p, final=final if output_final_state else None,
+                         offsets=slots.offset, norms=f.Nrm, x_form=True)  # fmt: skip
+    # stage 5: O = Qt S + Mqk E = Qt S + (Mqk Tb) X, parallel over chunks
+    chunk_output(f.Qt, f.MqkTb, Hin, X, slots, p, o.dtype, out=o.view(B * T, *o.shape[2:]), norms=f.Nrm)
+    return o, final
+
+
+def final_without_tokens(final: Tensor, h0: Tensor | None, output_final_state: bool) -> Tensor:
+    """The final state when there is no token at all: the initial state (or zeros)."""
+    if output_final_state:
+        if h0 is None:
+            final.zero_()
+        else:
+            final.copy_(h0)
+    return final
+
+
+
+
+def chunk_fwd_train(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    opts: Options,
+    output_final_state: bool,
+) -> tuple[Tensor, ...]:
+    """The kernel of ``kda::chunk_train``: ``(o, final_state, Mqk, Qt, Kend, Gam_last, Tm, W, Hin, E, norms)``.
+
+    The forward of a training step that keeps what the backward reads (``docs/architecture.md``, "Chunk backward:
+    what is saved"): the backward's own recompute (:func:`~kda_ops.triton.chunk.recompute.chunk_bwd_recompute`: the
+    prepared inputs, the fused prepare kernel with ``Tm`` stored, the scan keeping ``Hin`` and ``E``) and the output
+    stage on its factors.
+    ``norms`` is ``[2, B*T, H]`` with the l2norm in kernel, else ``(0,)``. Same ``o`` and final state as
+    :func:`chunk_fwd` up to rounding (the factors are formed from prepared inputs).
+    """
+    B, T = q.shape[:2]
+    dt = state_dtype(v)
+    o, final = forward_outputs(q, v, cu_seqlens, output_final_state)
+    N = num_sequences(q, cu_seqlens)
+    h0 = None if initial_state is None else contiguous(initial_state.to(dt))
+    if B * T == 0:
+        final = final_without_tokens(final, h0, output_final_state)
+        kept = tuple(t.zero_() for t in recomputed_empty(q, v, N).tensors())  # only the N slots have elements
+        norms_0 = q.new_empty(2, 0, q.shape[2], dtype=dt) if opts.use_qk_l2norm else q.new_empty(0)
+        return (o, final, *kept, norms_0)
+    qf, kf, vf, gf, bf = (contiguous(x).flatten(0, 1) for x in (q, k, v, g, beta))
+    qp, kp, gp, bp, norms = prepare(qf, kf, gf, bf, A_log, dt_bias, opts, dt)
+    slots = slot_map(cu_seqlens, B, T, v.device)
+    rp = recompute_precision(v.dtype)
+    poison(o, final)
+    fw = chunk_bwd_recompute(qp, kp, vf, gp, bp, scale, h0, slots.cu, slots, rp, slots.offset, norms,
+                             final=final if output_final_state else None)  # fmt: skip
+    clear_empty_slots(fw, slots)
+    chunk_output(fw.Qt, fw.Mqk, fw.Hin, fw.E, slots, rp, o.dtype, out=o.view(B * T, *o.shape[2:]))
+    return (o, final, *fw.tensors(), q.new_empty(0) if norms is None else norms)
+
+
+__all__ = ["chunk_fwd", "chunk_fwd_train", "final_without_tokens"]

@@ -1,0 +1,414 @@
+"""Stages 1-3 fused: everything that is local to one chunk, in one program per (chunk slot, value head).
+
+The program computes the chunk's decays in registers (stage 1), ``Mqk``, ``Mkk``, ``Qt``, ``Kend`` (stage 2), then
+``Tm = (I + Mkk)^-1`` and the WY factors (stage 3), and writes only what the state scan reads: ``Mqk``, ``W``,
+``U``, ``Qt``, ``Kend`` (per token, in ``precision.store``) and ``Gam_last`` (per slot). ``Gam``, ``Mkk`` and
+``Tm`` never leave the chip (``Tm`` does, in fp32 with ``Mqk``, for the backward's recompute: ``store_tm``): at
+T = 32k, HV = 32, K = V = 128 the fused kernels move ~2.6 GB where the staged pipeline moves ~6 GB. The stage
+functions they call are those of the standalone stages, each tested against its own oracle.
+
+The forward (without ``store_tm``) takes the *X form*: with ``Tb = Tm diag(beta)``, ``E = U - W S = Tb X`` for
+``X = V - Kt S``, so the kernel stores ``Mqk Tb`` and ``Kb = Tb^T Kend`` in place of ``Mqk`` and ``Kend``, keeps
+``Kt`` for the scan and forms neither ``U`` (nor reads ``v``) nor ``W``: one 64 x 64 x 64 product from registers
+replaces two 64 x 64 x 128 products over loaded tiles. Measured on the H200 (triton 3.6, 2026-11-30, B1 T32768 H32
+bf16, one process alternating the forms): this kernel 1.994 -> 1.796 ms, the forward 3.355 -> 3.143 ms, the scan
+and the output unchanged; error vs float64 at T = 1000 o 3.01e-3 -> 2.63e-3, state 2.49e-3 -> 1.90e-3.
+
+The kernels that share the work (``chunk_intra`` explains the two paths):
+
+- :func:`chunk_prepare_kernel` takes the anchored path for every key tile: one tensor-core product per tile, no
+  16-row blocks, few registers. A chunk whose decays span too far for it (``|Gam - Gam_mid| > 80`` nats
+  somewhere) is flagged and left alone.
+- The forward first runs :func:`~kda_ops.triton.chunk_cumsum.chunk_anchor_sums` (:data:`ANCHOR_SUMS`): the
+  anchored decays' three sums along the rows, which the anchored kernel then loads instead of reducing across its
+  warps.
+- :func:`chunk_prepare_blocks_kernel` redoes the flagged chunks by the block path: at most one program per SM
+  reads the flags :data:`FLAG_BLOCK` at a time and runs the flagged chunks in turn. When the options bound the gate
+  below ``-2.5`` nats per token (``lower_bound``), where the anchored path would often fail, it runs alone, a
+  program per chunk, and the first kernel is not launched.
+
+The grid of a program per chunk is the static chunk-slot map (:func:`kda_ops.varlen.chunk_slots`): ``cdiv(T, BT)
++ N`` slots, a program whose slot holds no token returns at once (the anchored kernel first writes its flag 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kda_ops.common import Options, state_dtype
+from kda_ops.triton.chunk.decays import chunk_anchor_sums, gate_bound, gate_flags
+from kda_ops.triton.chunk.intra import (
+    chunk_norms,
+    intra_anchored,
+    intra_blocks,
+    intra_masks,
+    key_compute,
+    key_loads,
+    key_tile,
+    row_span,
+)
+from kda_ops.triton.chunk.precision import Precision
+from kda_ops.triton.chunk.solve import kb_stored, solve_unit_lower, solve_wy
+from kda_ops.triton.chunk.tiles import ANCHOR_SPAN, BC, BT, FACTOR_SPAN, NB, col_mask, load_beta2, slot_rows, store2
+from kda_ops.triton.lang import mm, pdl_enter, rnorm
+from kda_ops.triton.launch import (
+    Launcher,
+    cdiv,
+    compute_dtype,
+    contiguous,
+    jit_any_length,
+    launch,
+    pdl,
+    persistent_programs,
+    poison,
+)
+from kda_ops.varlen import SlotRows
+
+
+@triton.jit
+def solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, Kend, Tm, tok, m, i_hv, HV, K: tl.constexpr, V: tl.constexpr,
+                    BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
+                    BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, PREC_SOLVE: tl.constexpr,
+                    PREC_WY: tl.constexpr, DT: tl.constexpr, STORE_TM: tl.constexpr, nq, nk, FOLD: tl.constexpr):
+    """Masks; stage 3: ``Tm = (I + Mkk)^-1``. With ``STORE_TM`` (the backward's recompute): store Mqk, ``Tm``,
+    ``W = Tm diag(beta) Kt`` (``Kt`` as the key tiles left it in ``W``) and ``U = Tm diag(beta) V``. Without (the
+    forward's X form): store ``Mqk Tb`` in ``Mqk`` and ``Kb = Tb^T Kend`` over ``Kend`` (``Tb = Tm diag(beta)``);
+    ``W`` keeps ``Kt``. ``FOLD``: the products were formed from raw ``q, k``; ``nq, nk [BT]`` are their l2norm
+    factors, applied here to rows and columns."""
+    beta2 = load_beta2(beta, tok, m, HV, i_hv, BETA_SIGMOID, NEG_EIGVAL, DT)
+    if FOLD:
+        Mqk2 = Mqk2 * nq[:, None] * nk[None, :]
+        Mkk2 = Mkk2 * nk[:, None] * nk[None, :]
+    Mqk2, Mkk2 = intra_masks(Mqk2, Mkk2, beta2, BT)
+    cols = tl.arange(0, BT)
+    if STORE_TM:
+        store2(Mqk + i_hv * BT, tok, m, HV * BT, cols, col_mask(cols, BT, BT), Mqk2)
+        solve_wy(Mkk2, beta2, v, W, U, Tm, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT, PREC_SOLVE, PREC_WY, DT,
+                 STORE_TM, nk, FOLD)  # fmt: skip
+    else:
+        Tb = solve_unit_lower(Mkk2, NB, BC, BT, PREC_SOLVE, DT) * beta2[None, :]
+        store2(Mqk + i_hv * BT, tok, m, HV * BT, cols, col_mask(cols, BT, BT), mm(Mqk2, Tb, PREC_WY, DT))
+        kb_stored(Tb, Kend, tok, m, i_hv, HV, K, BK, PREC_WY, DT, nk, FOLD)
+
+
+@triton.jit
+def store_norms(Nrm, nq, nk, tok, m, i_hv, HV, T):
+    """The l2norm factors ``nq``, ``nk [BT]`` of the chunk's rows into ``Nrm [2, HV, T]`` (:func:`chunk_prepare`)."""
+    tl.store(Nrm + i_hv.to(tl.int64) * T + tok, nq, mask=m)
+    tl.store(Nrm + (HV + i_hv).to(tl.int64) * T + tok, nk, mask=m)
+
+
+@jit_any_length
+def chunk_prepare_kernel(
+    q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm, Rqk, Sums, slot_start, slot_count,
+    scale, lower_bound, H, HV, T, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr,
+    USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC_INTRA: tl.constexpr, PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr,
+    DT: tl.constexpr, STORE_TM: tl.constexpr, ASPAN: tl.constexpr, FOLD: tl.constexpr, PREFETCH: tl.constexpr,
+    GIVEN_NORMS: tl.constexpr, GIVEN_SUMS: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_enter(PDL)
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
+    if count == 0:
+        tl.store(Flag + i_c.to(tl.int64) * HV + i_hv, 0)  # read by the block pass
+        return
+    if FOLD:  # the l2norm factors from the key loop's own loads, applied after it
+        rq = 1.0
+        rk = 1.0
+        ssq = tl.zeros((BT,), dtype=DT)
+        ssk = tl.zeros((BT,), dtype=DT)
+    else:
+        rq, rk = chunk_norms(q, k, Rqk, tok, m, i_h, H, T, K, BK, BT, USE_L2NORM, GIVEN_NORMS, DT)
+    # stages 1-2: decays, Qt, Kend, Gam_last (stored) and Mqk, Mkk (registers), anchored at the middle row
+    Mqk2 = tl.zeros((BT, BT), dtype=DT)
+    Mkk2 = tl.zeros((BT, BT), dtype=DT)
+    span = tl.zeros((BT,), dtype=DT)
+    NK: tl.constexpr = (K + BK - 1) // BK
+    # PREFETCH: the next key tile loads while this one computes (its stores come first in program order, and a load
+    # after a store that it might alias cannot be issued early; the last step reloads the last tile): without the
+    # l2norm pass (the backward's recompute, prepared fp32 q, k), forward + backward 21.85 -> 21.63 ms. After the
+    # l2norm pass q and k are L2-resident and the prefetch only costs registers: the forward at B1 T32768 H32 bf16
+    # took 3.957 ms with it, 3.887 without (H200).
+    # GIVEN_SUMS: the decays' three sums along the rows come from chunk_anchor_sums (key_compute loads them) rather
+    # than from a reduction across warps here
+    xq, xk, xg = key_loads(q, k, g, tok, m, i_h, i_hv, H, HV, 0, K, BK)
+    for i_k in range(NK):
+        if PREFETCH:
+            xq_n, xk_n, xg_n = key_loads(q, k, g, tok, m, i_h, i_hv, H, HV, tl.minimum(i_k + 1, NK - 1), K, BK)
+        else:
+            xq, xk, xg = key_loads(q, k, g, tok, m, i_h, i_hv, H, HV, i_k, K, BK)
+        if FOLD:
+            ssq += tl.sum(xq.to(DT) * xq.to(DT), axis=1)
+            ssk += tl.sum(xk.to(DT) * xk.to(DT), axis=1)
+        qs, kk, g2, E = key_compute(xq, xk, xg, Sums, A_log, dt_bias, Qt, Kend, Gl, W, tok, m, i_c, i_hv, HV,
+                                    scale, lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND,
+                                    DT, True, GIVEN_SUMS)  # fmt: skip
+        span = row_span(span, E)
+        Mqk2, Mkk2 = intra_anchored(qs, kk, E, Mqk2, Mkk2, PREC_INTRA, DT, ASPAN)
+        if PREFETCH:
+            xq, xk, xg = xq_n, xk_n, xg_n
+    far = tl.max(span, axis=0) > ASPAN
+    tl.store(Flag + i_c.to(tl.int64) * HV + i_hv, far.to(tl.int32))
+    if FOLD:
+        nq = rnorm(ssq)
+        nk = rnorm(ssk)
+        store_norms(Nrm, nq, nk, tok, m, i_hv, HV, T)
+    else:
+        nq = 1.0
+        nk = 1.0
+    if not far:
+        solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, Kend, Tm, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT,
+                        BETA_SIGMOID, NEG_EIGVAL, PREC_SOLVE, PREC_WY, DT, STORE_TM, nq, nk, FOLD)  # fmt: skip
+
+
+@triton.jit
+def blocks_chunk(
+    i_c, i_hv, q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Nrm, Rqk, slot_start, slot_count, scale,
+    lower_bound, H, HV, T, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
+    BC: tl.constexpr, BT: tl.constexpr, USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr,
+    USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
+    PREC_INTRA: tl.constexpr, PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr, DT: tl.constexpr,
+    STORE_TM: tl.constexpr, SPAN: tl.constexpr, FOLD: tl.constexpr, GIVEN_NORMS: tl.constexpr,
+):  # fmt: skip
+    """Stages 1-3 of chunk slot ``i_c``, value head ``i_hv`` by the block path (nothing for an empty slot)."""
+    i_h = i_hv // (HV // H)
+    count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
+    if count > 0:
+        rq, rk = chunk_norms(q, k, Rqk, tok, m, i_h, H, T, K, BK, BT, USE_L2NORM, GIVEN_NORMS, DT)
+        Mqk2 = tl.zeros((BT, BT), dtype=DT)
+        Mkk2 = tl.zeros((BT, BT), dtype=DT)
+        for i_k in range(tl.cdiv(K, BK)):
+            qs, kk, g2, E = key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, W, tok, m, i_c, i_h, i_hv, H, HV, scale,
+                                     lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT,
+                                     False)  # fmt: skip
+            Mqk2, Mkk2 = intra_blocks(qs, kk, g2, Mqk2, Mkk2, NB, BC, BT, BK, PREC_INTRA, DT, SPAN)
+        if FOLD:  # this kernel stores normalised factors: unit factors for its chunk's rows
+            one = tl.full((BT,), 1.0, DT)
+            store_norms(Nrm, one, one, tok, m, i_hv, HV, T)
+        solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, Kend, Tm, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT,
+                        BETA_SIGMOID, NEG_EIGVAL, PREC_SOLVE, PREC_WY, DT, STORE_TM, 1.0, 1.0, False)  # fmt: skip
+
+
+@jit_any_length
+def chunk_prepare_blocks_kernel(
+    q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm, Rqk, slot_start, slot_count, scale,
+    lower_bound, H, HV, T, NI, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr,
+    USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC_INTRA: tl.constexpr, PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr,
+    DT: tl.constexpr, STORE_TM: tl.constexpr, SPAN: tl.constexpr, CHECK_FLAG: tl.constexpr, FOLD: tl.constexpr,
+    GIVEN_NORMS: tl.constexpr, FB: tl.constexpr, FLAG_LOOP: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_enter(PDL)
+    if CHECK_FLAG and FLAG_LOOP:
+        # A few programs, each reading the flags of its blocks of FB items (item i: slot i // HV, value head i % HV)
+        # at once and running the flagged ones in turn. With no chunk flagged that is one vector load per block,
+        # where a program per item (255 registers, 8 warps: one program per SM at a time) cost ~45 us at T = 32k.
+        lanes = tl.arange(0, FB)
+        for b in range(tl.program_id(0) * FB, NI, tl.num_programs(0) * FB):
+            f = tl.load(Flag + b + lanes, mask=b + lanes < NI, other=0)
+            while tl.max(f, axis=0) != 0:
+                j = tl.min(tl.where(f != 0, lanes, FB), axis=0)
+                blocks_chunk((b + j) // HV, (b + j) % HV, q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl,
+                             Tm, Nrm, Rqk, slot_start, slot_count, scale, lower_bound, H, HV, T, K, V, BK, BV, NB,
+                             BC, BT, USE_L2NORM, USE_GATE, USE_A, USE_BIAS, USE_BOUND, BETA_SIGMOID, NEG_EIGVAL,
+                             PREC_INTRA, PREC_SOLVE, PREC_WY, DT, STORE_TM, SPAN, FOLD, GIVEN_NORMS)  # fmt: skip
+                f = tl.where(lanes == j, 0, f)
+    else:  # a program per item (every item without CHECK_FLAG)
+        i_c, i_hv = tl.program_id(0), tl.program_id(1)
+        if CHECK_FLAG:
+            run = tl.load(Flag + i_c.to(tl.int64) * HV + i_hv) != 0
+        else:
+            run = True
+        if run:
+            blocks_chunk(i_c, i_hv, q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Nrm, Rqk,
+                         slot_start, slot_count, scale, lower_bound, H, HV, T, K, V, BK, BV, NB, BC, BT, USE_L2NORM,
+                         USE_GATE, USE_A, USE_BIAS, USE_BOUND, BETA_SIGMOID, NEG_EIGVAL, PREC_INTRA, PREC_SOLVE,
+                         PREC_WY, DT, STORE_TM, SPAN, FOLD, GIVEN_NORMS)  # fmt: skip
+
+
+# The block pass after the anchored one: flags read FLAG_BLOCK at a time by at most one program per SM (the kernel
+# holds one program per SM at a time anyway).
+FLAG_BLOCK = 128
+
+
+def anchored_path_usable(opts: Options) -> bool:
+    """Whether to try the anchored path first: always, unless the gate's lower bound is known and lets half a chunk
+    span more than ANCHOR_SPAN nats (below -2.5 per token; a bound of -5 then guarantees the block path's factored
+    diagonal blocks, 16 x 5 = 80 nats). Decided from the options, never from data."""
+    lb = opts.lower_bound if opts.use_gate else None
+    return lb is None or abs(lb) * (BT // 2) <= ANCHOR_SPAN
+
+
+# The anchored kernel folds the l2norm into its key loop (FOLD_NORMS): the products and tiles are formed from raw
+# q, k and the factors applied after the loop (``Mqk``, ``Mkk``, ``W``) or by the consumers (``Qt`` by the output
+# stage, ``Kend`` by the scan), which saves the pass that loads q and k once more before the loop; with no such pass
+# the next key tile loads a step ahead, as in the backward's recompute. Measured on the H200 (triton 3.6, 2026-11-29,
+# B1 H32 bf16, two alternating processes each): forward at T = 32768 3.636 / 3.639 -> 3.568 / 3.568 ms (stages 1-3
+# 2.364 -> 2.208), prefill at T = 1024 under a graph 139.4 / 139.5 -> 134.1 / 134.4 us, forward + backward 20.30 ->
+# 20.23 ms; folded without the prefetch 3.768 / 3.766 ms.
+FOLD_NORMS = True
+
+# The forward's anchored kernel reads each key tile's three sums along the rows (``g_0``, ``P_last``, ``P_mid``) from
+# :func:`~kda_ops.triton.chunk_cumsum.chunk_anchor_sums`, a pass of its own over ``g``, instead of reducing across
+# its warps (a third of that kernel's Nsight Compute samples on the H200). Measured there (triton 3.6, 2026-11-30,
+# B1 H32 bf16, one process alternating): forward at T = 32768 3.126 / 3.140 -> 3.048 / 3.040 ms, at B8 T4096 2.846 /
+# 2.845 -> 2.768 / 2.763, the anchored kernel 1.79 -> 1.57 ms and this pass 0.14; error at T = 1000 unchanged (o
+# 2.64e-3). Loading the next tile's sums a step ahead (with the key tiles) spilled 208 B and gained nothing.
+ANCHOR_SUMS = True
+
+
+@dataclass(frozen=True)
+class XFactors:
+    """The forward's per-chunk factors in the X form (``Tb = Tm diag(beta)``, ``E = Tb X`` for ``X = V - Kt S``):
+    ``MqkTb [T, HV, BT]``, ``Kt, Qt, Kb [T, HV, K]`` in ``precision.store``, ``Gl [NC, HV, K]`` (``Gam_last``) in
+    the compute dtype, and ``Nrm [2, HV, T]`` (compute dtype) when the l2norm is folded into the key loop (l2norm
+    asked, anchored path tried), else None: ``Kt`` and ``Qt`` are then stored without the l2norm factors of their
+    rows, ``Nrm[0]`` (of q) and ``Nrm[1]`` (of k); ``MqkTb`` and ``Kb`` are complete either way."""
+
+    MqkTb: Tensor
+    Kt: Tensor
+    Qt: Tensor
+    Kb: Tensor
+    Gl: Tensor
+    Nrm: Tensor | None
+
+
+@dataclass(frozen=True)
+class EFactors:
+    """The per-chunk factors the backward reads: ``Mqk, Tm = (I + Mkk)^-1 [T, HV, BT]`` and ``Gl [NC, HV, K]`` in
+    the compute dtype; ``W = Tb Kt``, ``Qt``, ``Kend [T, HV, K]`` and ``U = Tb V [T, HV, V]`` in
+    ``precision.store``."""
+
+    Mqk: Tensor
+    W: Tensor
+    U: Tensor
+    Qt: Tensor
+    Kend: Tensor
+    Gl: Tensor
+    Tm: Tensor
+
+
+def chunk_prepare(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    slots: SlotRows,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    opts: Options,
+    precision: Precision,
+) -> XFactors:
+    """Stages 1-3 of every chunk slot in the forward's X form, from the flat token stream ``q, k [T, H, K]``,
+    ``v [T, HV, V]``, ``g [T, HV, K]``, ``beta [T, HV]`` as given to the public function (the options applied in
+    kernel). The kernel forms neither ``W`` nor ``U`` and never reads ``v``."""
+    f = _prepare(q, k, v, g, beta, scale, slots, A_log, dt_bias, opts, precision, False, None)
+    return XFactors(MqkTb=f[0], Kt=f[1], Qt=f[3], Kb=f[4], Gl=f[5], Nrm=f[7])
+
+
+def chunk_prepare_recompute(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    slots: SlotRows,
+    precision: Precision,
+    norms: Tensor | None = None,
+) -> EFactors:
+    """Stages 1-3 of every chunk slot for the backward, from inputs the options were already applied to
+    (:mod:`~kda_ops.triton.chunk.inputs`); ``norms [2, T, H]`` (compute dtype): the l2norm factors of q's and k's
+    rows, applied as the tiles load (``q * norms[0]`` is the l2-normalised q)."""
+    f = _prepare(q, k, v, g, beta, scale, slots, None, None, _NO_OPTIONS, precision, True, norms)
+    assert f[2] is not None and f[6] is not None
+    return EFactors(Mqk=f[0], W=f[1], U=f[2], Qt=f[3], Kend=f[4], Gl=f[5], Tm=f[6])
+
+
+_NO_OPTIONS = Options()
+
+
+def _prepare(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    slots: SlotRows,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    opts: Options,
+    precision: Precision,
+    store_tm: bool,
+    norms: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    """The two kernels' launch; the slots as :class:`XFactors` or :class:`EFactors` order them (``store_tm``)."""
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    NC = slots.start.shape[0]
+    store = precision.store
+    Mqk = q.new_empty(T, HV, BT, dtype=state_dtype(v) if store_tm else store)
+    Tm = torch.empty_like(Mqk) if store_tm else None
+    W = q.new_empty(T, HV, K, dtype=store)
+    Qt = torch.empty_like(W)
+    Kend = torch.empty_like(W)
+    U = v.new_empty(T, HV, V, dtype=store) if store_tm else None  # the X form forms no U
+    Gl = q.new_empty(NC, HV, K, dtype=state_dtype(v))
+    Flag = q.new_empty(NC, HV, dtype=torch.int32)
+    assert norms is None or not opts.use_qk_l2norm, "chunk_prepare: l2norm factors given and asked"
+    anchored = anchored_path_usable(opts)
+    fold = FOLD_NORMS and anchored and opts.use_qk_l2norm
+    # The l2norm factors as [2, HV, T], each head's rows contiguous, not [2, T, HV]: every program stores (and the
+    # scan and the output stage load) its 64 rows' factors as one run rather than 64 values 4 * HV bytes apart.
+    # Measured on the H200 (triton 3.6, 2026-11-30, B1 T32768 H32 bf16, fresh processes alternating with the tree
+    # before, two rounds): forward 3.005 / 3.019 and 3.017 / 3.005 -> 2.895 / 2.894 and 2.898 / 2.896 ms; stages 1-3
+    # 1.711 -> 1.634, scan 0.862 -> 0.848, output 0.438 -> 0.422; B8 T4096 2.736 -> 2.652; error at T = 1000
+    # unchanged (o 2.64e-3, state 1.96e-3).
+    Nrm = q.new_empty(2, HV, T, dtype=state_dtype(v)) if fold else None
+    poison(Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm)
+    # the two kernels' runtime arguments: these, with the anchor sums between them for the anchored kernel
+    head = (contiguous(q), contiguous(k), contiguous(v), contiguous(g), contiguous(beta), A_log, dt_bias,
+            Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm, norms)  # fmt: skip
+    tail = (slots.start, slots.count, float(scale), gate_bound(opts),
+            H, HV, T)  # fmt: skip
+    meta = dict(
+        K=K, V=V, NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm,
+        BETA_SIGMOID=opts.use_beta_sigmoid, NEG_EIGVAL=opts.allow_neg_eigval, PREC_INTRA=precision.intra,
+        PREC_SOLVE=precision.solve, PREC_WY=precision.wy, DT=compute_dtype(v), STORE_TM=store_tm,
+        GIVEN_NORMS=norms is not None,
+        **gate_flags(opts, A_log, dt_bias),
+        **pdl(q.device),
+    )  # fmt: skip
+    if anchored:
+        prefetch = not opts.use_qk_l2norm or fold
+        # the forward reads the decays' sums along the rows from a pass of their own (ANCHOR_SUMS)
+        sums = chunk_anchor_sums(contiguous(g), slots, A_log, dt_bias, opts) if ANCHOR_SUMS and not store_tm else None
+        _launch_prepare((NC, HV), (*head, sums, *tail),
+                        dict(meta, ASPAN=ANCHOR_SPAN, FOLD=fold, PREFETCH=prefetch, GIVEN_SUMS=sums is not None,
+                             **launch("prepare", BK=K, BV=V)))  # fmt: skip
+    # the flag loop in the forward; the backward's recompute keeps a program per item (its form of the loop spills
+    # 272 B per thread with triton 3.9, over the backward's bound)
+    flag_loop = anchored and not store_tm
+    blocks_meta = dict(meta, SPAN=FACTOR_SPAN, CHECK_FLAG=anchored, FOLD=fold, FB=FLAG_BLOCK, FLAG_LOOP=flag_loop,
+                       **launch("prepare_blocks", BK=K, BV=V))  # fmt: skip
+    grid = (min(cdiv(NC * HV, FLAG_BLOCK), persistent_programs(q.device)),) if flag_loop else (NC, HV)
+    _launch_blocks(grid, (*head, *tail, NC * HV), blocks_meta)
+    return Mqk, W, U, Qt, Kend, Gl, Tm, Nrm
+
+
+_launch_prepare = Launcher(chunk_prepare_kernel)
+_launch_blocks = Launcher(chunk_prepare_blocks_kernel)
+
+__all__ = ["chunk_prepare"]

@@ -1,0 +1,404 @@
+"""The fused recurrent KDA kernel (seed article, section 5): decode, short sequences and a serving state pool.
+
+One program per (sequence, value head, value tile). The program holds a ``[BK, BV]`` tile of the state ``S [K, V]``
+in registers (fp32; fp64 for fp64 inputs) and walks its sequence's tokens in order::
+
+    S = S * exp(g_t)[:, None]           forget, per key channel
+    p = sum_k S * k_t                   predict           [BV]
+    e = beta_t * (v_t - p)              corrected error   [BV]
+    S = S + k_t[:, None] * e[None, :]   write
+    o_t = sum_k S * (scale * q_t)       read after write  [BV]
+
+The in-kernel transforms (l2norm of q and k, the gate, the beta sigmoid) are applied per token as each token is
+loaded, with the formulas of ``architecture.md``; ``BK = next_power_of_2(K)`` covers the whole key dimension,
+so the l2norm sum over K is local to the program. Padded key rows carry zero keys, so they stay zero.
+
+Sequences: a dense batch ``[B, T]`` (sequence ``n`` is tokens ``n*T ..``) or packed by ``cu_seqlens``, read on the
+device; only ``N``, ``HV`` and ``V`` shape the grid, so one CUDA graph serves every ``cu_seqlens`` of one length.
+The serving entry point reads and writes the state at ``state_indices[n]`` of a pool (slot -1: padding).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kda_ops.common import Options, forward_outputs
+from kda_ops.triton.launch import Launcher, contiguous, poison, pow2
+
+# Launch configuration: fixed per shape (no autotune), so the first call inside a CUDA-graph capture needs no
+# warm-up beyond compilation. Chosen by `python benchmarks/bench_recurrent.py --sweep` (H200, triton 3.6,
+# 2026-11-29; decode, K = V = 128, graph-replayed serving step, µs at B = 1/16/64/256): BV = 64 with 2 warps
+# 9.2/26.2/83.4/300.8, against 8.7/27.6/90.0/328.2 for BV = 32 with 4 warps and 9.2/26.2/84.7/308.1 for
+# BV = 64 with 4; BV = 16 is 1.5-1.8x slower from B = 64, BV = 128 and 8 warps slower everywhere. Cache hints on
+# the state (evict-first load, streaming store) made the B = 64 step slower: 75.3 -> 79.5 µs (2026-11-29). A
+# persistent grid (4 programs per SM walking the tiles) gained 1 % at B = 64 and 3.4 % at B = 256 (serving step,
+# 82.8 -> 81.7 and 299.6 -> 289.3 µs) and lost at B = 1; reading the next tile's state into registers while the
+# current one runs (double buffering) was 20-25 % slower from B = 64 (two tiles per program halve the resident
+# programs), an L2 prefetch of it slower too (93.5-98.7 µs at B = 64). Not taken: a second kernel path for ~1 %.
+# Each token's loads go out a step ahead, the first before the slot's load (serving: the state's address waits for
+# it): B = 64 serving step under a graph 83.2 / 82.6 -> 75.5 / 75.5 µs, recurrent_kda 73.0 / 73.2 -> 72.0 / 72.1
+# (cold 69.7 -> 68.1), B = 1 7.9 -> 7.5 (H200, triton 3.6, 2026-11-30, two processes of each, alternating).
+# Not taken (same day): register caps for more programs per SM (maxnreg 200 / 184 / 168: B = 64 step 72.7 ->
+# 79.5 / 92.9 / 121.7 µs, spilling); k^T S and q^T S in one reduction (o = q^T S + (q . k) e): recurrent 72.2 ->
+# 71.6 µs but serving 75.7 -> 76.6.
+BV_MAX = 64
+ELEMENTS_PER_WARP = 4096  # state elements per warp: 128 fp32 registers per thread for the state tile
+
+
+@functools.cache
+def launch_config(K: int, V: int) -> tuple[int, int, int]:
+    """``(BK, BV, num_warps)`` for head dimensions ``K, V`` (plain Python: triton's helpers cost microseconds)."""
+    BK = pow2(K, 1)
+    BV = min(pow2(V, 1), BV_MAX)
+    num_warps = min(8, max(1, BK * BV // ELEMENTS_PER_WARP))
+    return BK, BV, num_warps
+
+
+# ------------------------------------------------------------------------------------------- jit helpers
+
+
+@triton.jit
+def softplus(x):
+    # max(x, 0) + log(1 + exp(-|x|)): equal to torch's softplus (threshold 20) to rounding, never overflows
+    return tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x)))
+
+
+@triton.jit
+def sequence_bounds(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
+    """First token and one past the last token of sequence ``i_n`` in the flat token stream (int64).
+
+    Values that break the ``cu_seqlens`` contract are clamped into ``[0, T]`` so that nothing reads out of bounds.
+    """
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        bos = tl.minimum(tl.maximum(bos, 0), T)
+        eos = tl.minimum(tl.maximum(eos, bos), T)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+    return bos, eos
+
+
+@triton.jit
+def load_head_params(A_log, dt_bias, i_hv, o_k, m_k, K: tl.constexpr, DT: tl.constexpr,
+                     HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
+    """``exp(A_log[hv])`` (a scalar, 1 without A_log) and ``dt_bias[hv]`` (``[BK]``, zeros without dt_bias)."""
+    if HAS_A_LOG:
+        b_a = tl.exp(tl.load(A_log + i_hv).to(DT))
+    else:
+        b_a = tl.full([], 1.0, DT)
+    if HAS_DT_BIAS:
+        b_dt = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0).to(DT)
+    else:
+        b_dt = tl.zeros(o_k.shape, DT)
+    return b_a, b_dt
+
+
+@triton.jit
+def l2norm_rows(x):
+    """``x / sqrt(sum(x * x) + 1e-6)`` over the key dimension; also returns ``r = 1 / sqrt(...)``."""
+    r = tl.rsqrt(tl.sum(x * x, 0) + 1e-6)
+    return x * r, r
+
+
+@triton.jit
+def gate_forward(b_x, b_a, b_dt, lower_bound, HAS_A_LOG: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):
+    """Log decay from the raw gate input: ``-a softplus(x + dt)``, or ``L sigmoid(a (x + dt))`` (``a = exp(A_log)``)."""
+    z = b_x + b_dt
+    if USE_LOWER_BOUND:
+        if HAS_A_LOG:
+            z = b_a * z
+        b_g = lower_bound * tl.sigmoid(z)
+    else:
+        b_g = -b_a * softplus(z)
+    return b_g
+
+
+@triton.jit
+def beta_forward(b_y, USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
+    """``beta`` or ``sigmoid(beta)``, times 2 with negative eigenvalues allowed."""
+    if USE_BETA_SIGMOID:
+        b_y = tl.sigmoid(b_y)
+    if NEG_EIGVAL:
+        b_y = b_y * 2.0
+    return b_y
+
+
+@triton.jit
+def load_token(p_q, p_k, p_g, p_beta, o_k, m_k, b_a, b_dt, scale, lower_bound, DT: tl.constexpr,
+               USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
+               USE_LOWER_BOUND: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
+    """One token's ``scale * q``, ``k``, log decay ``g`` (all ``[BK]``) and ``beta`` (a scalar), transformed."""
+    xq, xk, xg, xb = token_loads(p_q, p_k, p_g, p_beta, o_k, m_k, True)
+    return token_transform(xq, xk, xg, xb, b_a, b_dt, scale, lower_bound, DT, USE_L2NORM, USE_GATE, HAS_A_LOG,
+                           USE_LOWER_BOUND, USE_BETA_SIGMOID, NEG_EIGVAL)  # fmt: skip
+
+
+@triton.jit
+def token_loads(p_q, p_k, p_g, p_beta, o_k, m_k, has):
+    """One token's ``q``, ``k``, ``g`` (``[BK]``) and ``beta`` as stored, nothing read unless ``has`` (a scalar)."""
+    m = m_k & (o_k * 0 == tl.where(has, 0, 1))  # [BK]: triton 3.9's interpreter rejects tensor & scalar masks
+    xq = tl.load(p_q + o_k, mask=m, other=0)
+    xk = tl.load(p_k + o_k, mask=m, other=0)
+    xg = tl.load(p_g + o_k, mask=m, other=0)
+    xb = tl.load(p_beta, mask=has, other=0)
+    return xq, xk, xg, xb
+
+
+@triton.jit
+def token_transform(xq, xk, xg, xb, b_a, b_dt, scale, lower_bound, DT: tl.constexpr, USE_L2NORM: tl.constexpr,
+                    USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+                    USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
+    """:func:`load_token` after the loads: the in-kernel l2norm, gate and beta sigmoid."""
+    b_q = xq.to(DT)
+    b_k = xk.to(DT)
+    b_g = xg.to(DT)
+    b_beta = beta_forward(xb.to(DT), USE_BETA_SIGMOID, NEG_EIGVAL)
+    if USE_L2NORM:
+        b_q, _ = l2norm_rows(b_q)
+        b_k, _ = l2norm_rows(b_k)
+    if USE_GATE:
+        # padded key rows get a finite decay; their state rows are zero and stay zero
+        b_g = gate_forward(b_g, b_a, b_dt, lower_bound, HAS_A_LOG, USE_LOWER_BOUND)
+    return b_q * scale, b_k, b_g, b_beta
+
+
+# ------------------------------------------------------------------------------------------------ kernel
+
+
+# No specialisation on the length ``T`` or the pool's slot count ``NS``: Triton would otherwise compile a kernel for
+# T == 1 (a decode step), for T divisible by 16 and for any other T (a 3-token speculative step), each a compile a
+# CUDA-graph capture after a warm-up could meet. One form serves every length; B = 64 gained 1 µs, B = 1 moved
+# within noise. H200, triton 3.6, 2026-11-30, `.scratch/dec.py` (decode step under a CUDA graph, do_bench / cold
+# µs, two processes of each, alternating): B = 64 recurrent 72.5 / 72.6 -> 71.5 / 71.6 (cold 68.7 / 68.5 -> 67.6 /
+# 67.9), serving 75.7 / 76.0 -> 74.8 / 75.3; B = 1 recurrent 7.4 / 7.6 -> 7.6 / 7.7, serving 7.9 / 8.4 -> 8.0 / 7.7.
+@triton.jit(do_not_specialize=["T", "NS"])
+def recurrent_fwd_kernel(
+    q,  # [B*T, H, K]
+    k,  # [B*T, H, K]
+    v,  # [B*T, HV, V]
+    g,  # [B*T, HV, K]
+    beta,  # [B*T, HV]
+    o,  # [B*T, HV, V]
+    h0,  # [N, HV, K, V], or the pool [S, HV, K, V] with state indices
+    ht,  # like h0 (the same pool with state indices)
+    cu_seqlens,  # [N + 1] or None
+    state_indices,  # [N] or None
+    A_log,  # [HV] or None
+    dt_bias,  # [HV * K] or None
+    scale,
+    lower_bound,
+    T,  # tokens per sequence (dense) or in the stream (varlen)
+    NS,  # slots in the pool (state indices outside [0, NS) are padding)
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DT: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
+    USE_GATE: tl.constexpr,
+    HAS_A_LOG: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr,
+    STORE_FINAL_STATE: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    USE_STATE_INDICES: tl.constexpr,
+):
+    # one grid axis, the value tiles of one state adjacent: the halves of each state row are read and written
+    # together (DRAM pages opened once), and the grid is not bounded by the 65535 of the other axes
+    NV: tl.constexpr = (V + BV - 1) // BV
+    pid = tl.program_id(0)
+    i_nh, i_v = pid // NV, pid % NV
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos, eos = sequence_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    p_q = q + (bos * H + i_h) * K
+    p_k = k + (bos * H + i_h) * K
+    p_g = g + (bos * HV + i_hv) * K
+    p_beta = beta + bos * HV + i_hv
+    p_v = v + (bos * HV + i_hv) * V + o_v
+    p_o = o + (bos * HV + i_hv) * V + o_v
+    # The first token's loads go out before anything else, the next token's while this one computes: with state
+    # indices the state's address waits for the slot's load, and the token's loads should not queue behind it.
+    has = eos > bos
+    xq, xk, xg, xb = token_loads(p_q, p_k, p_g, p_beta, o_k, m_k, has)
+    xv = tl.load(p_v, mask=m_v & (o_v * 0 == tl.where(has, 0, 1)), other=0)
+    if USE_STATE_INDICES:
+        slot = tl.load(state_indices + i_n).to(tl.int64)
+        valid = (slot >= 0) & (slot < NS)
+        slot = tl.where(valid, slot, 0)
+        n_tok = tl.where(valid, eos - bos, 0)
+        # a padding sequence masks its whole state tile (bounds, not `& valid`: triton 3.9's interpreter rejects
+        # a mask made from a tensor and a scalar)
+        m_s = m_k[:, None] & (o_v < tl.where(valid, V, 0))[None, :]
+    else:
+        slot = i_n.to(tl.int64)
+        n_tok = eos - bos
+        m_s = m_k[:, None] & m_v[None, :]
+    o_s = (slot * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]
+
+    b_S = tl.zeros([BK, BV], DT)  # [BK, BV]
+    if USE_INITIAL_STATE:
+        b_S += tl.load(h0 + o_s, mask=m_s, other=0).to(DT)
+    b_a, b_dt = load_head_params(A_log, dt_bias, i_hv, o_k, m_k, K, DT, HAS_A_LOG, HAS_DT_BIAS)
+
+    for i in range(0, n_tok):
+        b_q, b_k, b_g, b_beta = token_transform(xq, xk, xg, xb, b_a, b_dt, scale, lower_bound, DT, USE_L2NORM,
+                                                USE_GATE, HAS_A_LOG, USE_LOWER_BOUND, USE_BETA_SIGMOID, NEG_EIGVAL)
+        b_v = xv.to(DT)  # [BV]
+        p_q += H * K
+        p_k += H * K
+        p_g += HV * K
+        p_beta += HV
+        p_v += HV * V
+        has = i + 1 < n_tok
+        xq, xk, xg, xb = token_loads(p_q, p_k, p_g, p_beta, o_k, m_k, has)
+        xv = tl.load(p_v, mask=m_v & (o_v * 0 == tl.where(has, 0, 1)), other=0)
+        b_S = b_S * tl.exp(b_g)[:, None]
+        b_p = tl.sum(b_S * b_k[:, None], 0)  # [BV]
+        b_e = b_beta * (b_v - b_p)  # [BV]
+        b_S = b_S + b_k[:, None] * b_e[None, :]
+        b_o = tl.sum(b_S * b_q[:, None], 0)  # [BV]
+        tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
+        p_o += HV * V
+    if USE_STATE_INDICES:
+        # a padding sequence (its loop above ran no step): its output rows are zeros
+        for _ in range(0, (eos - bos) - n_tok):
+            tl.store(p_o, tl.zeros([BV], DT).to(p_o.dtype.element_ty), mask=m_v)
+            p_o += HV * V
+    if STORE_FINAL_STATE:
+        tl.store(ht + o_s, b_S.to(ht.dtype.element_ty), mask=m_s)
+
+
+# --------------------------------------------------------------------------------------------- launchers
+
+_launch_fwd = Launcher(recurrent_fwd_kernel)
+
+
+def launch_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    o: Tensor,
+    h0: Tensor | None,
+    ht: Tensor | None,
+    cu_seqlens: Tensor | None,
+    state_indices: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    scale: float,
+    opts: Options,
+) -> None:
+    """Run :func:`recurrent_fwd_kernel` writing ``o`` (and ``ht``); inputs of the public contract's shapes."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if N * HV == 0 or (o.numel() == 0 and ht is None):
+        return
+    NV, meta, key = _forward_meta(
+        H, HV, K, V, v.dtype == torch.float64, opts, A_log is not None, dt_bias is not None, h0 is not None,
+        ht is not None, cu_seqlens is not None, state_indices is not None,
+    )  # fmt: skip
+    _launch_fwd(
+        (N * HV * NV,),
+        (contiguous(q), contiguous(k), contiguous(v), contiguous(g), contiguous(beta), o,
+         h0, ht, cu_seqlens, state_indices, A_log, dt_bias,
+         scale, 0.0 if opts.lower_bound is None else opts.lower_bound,
+         T, 0 if h0 is None else h0.shape[0]),
+        meta, key,
+    )  # fmt: skip
+
+
+@functools.cache
+def _forward_meta(
+    H: int, HV: int, K: int, V: int, fp64: bool, opts: Options, has_A_log: bool, has_dt_bias: bool,
+    has_h0: bool, has_ht: bool, varlen: bool, indexed: bool,
+) -> tuple[int, dict[str, Any], tuple[Any, ...]]:  # fmt: skip
+    """The number of value tiles, the constexpr arguments of one launch and a hashable key that determines them,
+    computed once per configuration (the eager decode call is dominated by host overhead)."""
+    BK, BV, num_warps = launch_config(K, V)
+    key = (H, HV, K, V, fp64, opts, has_A_log, has_dt_bias, has_h0, has_ht, varlen, indexed, BK, BV, num_warps)
+    meta = dict(
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, DT=tl.float64 if fp64 else tl.float32,
+        USE_L2NORM=opts.use_qk_l2norm,
+        USE_GATE=opts.use_gate,
+        HAS_A_LOG=has_A_log,
+        HAS_DT_BIAS=has_dt_bias,
+        USE_LOWER_BOUND=opts.lower_bound is not None,
+        USE_BETA_SIGMOID=opts.use_beta_sigmoid,
+        NEG_EIGVAL=opts.allow_neg_eigval,
+        USE_INITIAL_STATE=has_h0,
+        STORE_FINAL_STATE=has_ht,
+        IS_VARLEN=varlen,
+        USE_STATE_INDICES=indexed,
+        num_warps=num_warps,
+    )  # fmt: skip
+    return (V + BV - 1) // BV, meta, key
+
+
+def recurrent_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    opts: Options,
+    output_final_state: bool,
+) -> tuple[Tensor, Tensor]:
+    """The kernel of ``kda::recurrent``: ``o [B, T, HV, V]`` in v's dtype, the final state or ``(0,)``."""
+    o, ht = forward_outputs(q, v, cu_seqlens, output_final_state)
+    poison(o, ht)
+    h0 = None if initial_state is None else contiguous(initial_state)
+    launch_forward(q, k, v, g, beta, o, h0, ht if output_final_state else None, cu_seqlens, None, A_log, dt_bias,
+                   scale, opts)  # fmt: skip
+    return o, ht
+
+
+def recurrent_update(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    state_indices: Tensor,
+    scale: float,
+    cu_seqlens: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    opts: Options,
+) -> Tensor:
+    """The kernel of ``kda::recurrent_update_``: updates ``state_pool`` in place at ``state_indices``, returns o.
+
+    The pool must be contiguous (the public function checks it): a copy would not update the caller's pool.
+    Each program reads and writes only its own tile of its own slot, so updating in place is race-free as long
+    as no two sequences share a slot.
+    """
+    o = forward_outputs(q, v, cu_seqlens, False)[0]
+    poison(o)
+    launch_forward(q, k, v, g, beta, o, state_pool, state_pool, cu_seqlens, contiguous(state_indices), A_log,
+                   dt_bias, scale, opts)  # fmt: skip
+    return o

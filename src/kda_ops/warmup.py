@@ -1,0 +1,78 @@
+"""Warm-up before a CUDA-graph capture: compile the Triton kernels a call can use.
+
+Triton compiles a kernel on its first call for each set of compile-time arguments, which cannot happen inside
+``torch.cuda.graph(...)``. Those arguments are what a model fixes once: the head dimensions ``K`` and ``V``, the
+dtypes, the in-kernel options and the per-product precision, plus the value tile of the chunk scan, which depends
+on ``N * HV`` (the number of sequences and value heads, for parallelism), and the form of the output stage, which
+depends on the number of chunk slots (a program per item for short inputs). Launch configurations are fixed (no
+autotuning). Neither ``B``, ``T`` nor the values of ``cu_seqlens`` play a part otherwise. So one :func:`warmup`
+call with small example inputs of the real head counts, dtypes and options, which compiles every value tile the
+scan may pick and both forms of the output stage, leaves nothing to compile for any batch, length or packing::
+
+    kda_ops.warmup(q[:, :64], k[:, :64], v[:, :64], g[:, :64], beta[:, :64], use_qk_l2norm_in_kernel=True,
+                   initial_state=h0, output_final_state=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, state = kda_ops.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, initial_state=h0,
+                                     output_final_state=True, cu_seqlens=cu_seqlens)
+
+The recurrent kernel uses fixed launch configurations and compiles one form for every length and pool size, so
+:func:`warmup` compiles, from the same example, ``recurrent_kda`` and the serving step ``recurrent_kda_update_``
+(with int32 and int64 slot indices) for any number of tokens per sequence: one-token decode steps, speculative
+steps of a few tokens, chunked prefill. ``cu_seqlens`` given or not is part of the form (packed or dense batch):
+warm up with the form the captured calls use (``docs/serving.md``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kda_ops import ops
+from kda_ops.api import chunk_kda, recurrent_kda, recurrent_kda_update_
+from kda_ops.common import num_sequences, state_dtype
+
+# keyword arguments of chunk_kda that recurrent_kda does not take, and those the serving step does not take either
+_CHUNK_ONLY = ("recompute_in_backward",)
+_NOT_SERVING = ("initial_state", "output_final_state", *_CHUNK_ONLY)
+
+
+def _without(kwargs: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    return {name: value for name, value in kwargs.items() if name not in names}
+
+
+def warmup(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kwargs: Any) -> None:
+    """Compile every Triton kernel that ``chunk_kda(q, k, v, g, beta, **kwargs)``, ``recurrent_kda(...)`` and the
+    serving step ``recurrent_kda_update_`` with the same options use, for every value tile the chunk scan may pick,
+    then wait for the device.
+
+    Pass example inputs with the real ``H``, ``HV``, ``K``, ``V``, dtypes and keyword options (``initial_state``
+    and ``output_final_state`` included: each combination is its own compiled kernel); small ``B`` and ``T``
+    suffice. Afterwards calls with any ``B``, ``T`` and ``cu_seqlens`` values run without autotuning, so they can
+    be captured in a CUDA graph. A no-op on the CPU. Not for use inside a capture or a compiled region.
+    """
+    if q.device.type != "cuda":
+        return
+    if ops.uses_triton("chunk", q.device):
+        from kda_ops.triton import chunk_forms, force_forms  # imported lazily: triton is needed on this path only
+
+        for form in chunk_forms(v.shape[-1]):
+            with force_forms(**form):
+                chunk_kda(q, k, v, g, beta, **kwargs)
+    else:  # the reference kernel
+        chunk_kda(q, k, v, g, beta, **kwargs)
+    recurrent_kda(q, k, v, g, beta, **_without(kwargs, _CHUNK_ONLY))
+    # the serving step from a scratch pool, one slot per sequence (its options without the state arguments)
+    N = num_sequences(q, kwargs.get("cu_seqlens"))
+    pool = torch.zeros(N, v.shape[2], q.shape[3], v.shape[3], device=q.device, dtype=state_dtype(v))
+    options = _without(kwargs, _NOT_SERVING)
+    with torch.no_grad():  # the serving step is not differentiable
+        for dtype in (torch.int32, torch.int64):
+            slots = torch.arange(N, device=q.device, dtype=dtype)
+            recurrent_kda_update_(q, k, v, g, beta, pool, slots, **options)
+    torch.cuda.synchronize(q.device)  # sync-ok: warmup runs before capture, by contract
+
+
+__all__ = ["warmup"]
