@@ -8,6 +8,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kda_ops.common import L2NORM_EPS
+
 
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
@@ -27,16 +29,27 @@ def mm(a, b, PREC: tl.constexpr, DT: tl.constexpr):
         return tl.dot(a.to(DT), b.to(DT), input_precision=PREC)
 
 
+# The l2norm of q and k: x / sqrt(sum(x * x) + EPS), as in the reference.
+EPS = tl.constexpr(L2NORM_EPS)
+
+
 @triton.jit
 def rnorm(ss):
-    """The l2norm factor ``1 / sqrt(ss + 1e-6)`` of rows whose sums of squares are ``ss`` (``reference/gates.py``)."""
-    return 1.0 / tl.sqrt(ss + 1e-6)
+    """The l2norm factor ``1 / sqrt(ss + EPS)`` of rows whose sums of squares are ``ss``."""
+    return 1.0 / tl.sqrt(ss + EPS)
 
 
 @triton.jit
-def beta_value(x, USE_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
-    """``sigmoid(x)`` when asked, times 2 with negative eigenvalues (``reference/gates.py``)."""
-    if USE_SIGMOID:
+def l2norm_bwd(y, r, dy, AXIS: tl.constexpr):
+    """Gradient of ``y = x r`` (the l2norm along ``AXIS``, ``r`` its factor, broadcast against ``y``) to ``x``:
+    ``r (dy - y (y . dy))``, linear in ``dy``."""
+    return r * (dy - y * tl.sum(y * dy, axis=AXIS, keep_dims=True))
+
+
+@triton.jit
+def beta_value(x, USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
+    """``sigmoid(x)`` when asked, times 2 with negative eigenvalues."""
+    if USE_BETA_SIGMOID:
         x = 1.0 / (1.0 + tl.exp(-x))
     if NEG_EIGVAL:
         x = x * 2.0
@@ -45,23 +58,20 @@ def beta_value(x, USE_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
 
 @triton.jit
 def softplus(x):
-    # torch's softplus (threshold 20) to rounding; exp(x) alone where log(1 + exp(x)) would round to 0
+    """torch's softplus (threshold 20) to rounding; ``exp(x)`` alone where ``log(1 + exp(x))`` would round to 0."""
     return tl.where(x > 20.0, x, tl.where(x < -15.0, tl.exp(x), tl.log(1.0 + tl.exp(x))))
 
 
 @triton.jit
-def gate(x, mask, A_log, dt_bias, o_k, m_k, i_hv, lower_bound, K: tl.constexpr, USE_GATE: tl.constexpr,
-         USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, DT: tl.constexpr):
-    """:func:`load_log_decay` after the load: ``x [BT, BK]`` as loaded (0 outside ``mask``) to the log decay."""
-    x = x.to(DT)
-    if USE_GATE:
-        if USE_BIAS:
-            x = x + tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(DT)[None, :]
-        if USE_BOUND:
-            if USE_A:
-                x = x * tl.exp(tl.load(A_log + i_hv).to(DT))
-            x = lower_bound * (1.0 / (1.0 + tl.exp(-x)))
-        else:
-            x = -tl.exp(tl.load(A_log + i_hv).to(DT)) * softplus(x)
-        x = tl.where(mask, x, 0.0)
-    return x
+def log_decay(z, a, lower_bound, HAS_A_LOG: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):
+    """The in-kernel gate, from ``z = x + dt_bias`` and ``a = exp(A_log)`` (unused without ``HAS_A_LOG``)::
+
+        g = -a * softplus(z)                    (no lower bound)
+        g = lower_bound * sigmoid(a * z)        (``a`` omitted without A_log)
+    """
+    if USE_LOWER_BOUND:
+        if HAS_A_LOG:
+            z = z * a
+        return lower_bound * (1.0 / (1.0 + tl.exp(-z)))
+    else:
+        return -a * softplus(z)

@@ -53,8 +53,8 @@ def chunk_intra_kernel(
     q, k, g, beta, A_log, dt_bias, Mqk, Mkk, Qt, Kend, Kt, Gl, flag, slot_start, slot_count, scale, lower_bound, H,
     HV,
     K: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
-    USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr, USE_BIAS: tl.constexpr,
-    USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
+    USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
     PREC: tl.constexpr, DT: tl.constexpr, ASPAN: tl.constexpr, SPAN: tl.constexpr, BLOCKS: tl.constexpr,
 ):  # fmt: skip
     """Two passes over the chunk slots. ``BLOCKS = False``: the anchored path; a chunk with a key tile beyond
@@ -101,9 +101,9 @@ def chunk_intra_kernel(
             BK,
             BT,
             USE_GATE,
-            USE_A,
-            USE_BIAS,
-            USE_BOUND,
+            HAS_A_LOG,
+            HAS_DT_BIAS,
+            USE_LOWER_BOUND,
             DT,
             not BLOCKS,
         )
@@ -116,7 +116,7 @@ def chunk_intra_kernel(
     if not BLOCKS:
         tl.store(p_flag, tl.where(ok, 0, 1).to(flag.dtype.element_ty))
     if BLOCKS or ok:
-        beta2 = load_beta2(beta, tok, m, HV, i_hv, BETA_SIGMOID, NEG_EIGVAL, DT)
+        beta2 = load_beta2(beta, tok, m, HV, i_hv, USE_BETA_SIGMOID, NEG_EIGVAL, DT)
         Mqk2, Mkk2 = intra_masks(Mqk2, Mkk2, beta2, BT)
         cols = tl.arange(0, BT)
         store2(Mqk + i_hv * BT, tok, m, HV * BT, cols, col_mask(cols, BT, BT), Mqk2)
@@ -160,7 +160,7 @@ def chunk_intra(
             (contiguous(q), contiguous(k), contiguous(g), contiguous(beta), A_log, dt_bias, Mqk, Mkk, Qt, Kend, Kt,
              Gl, flag, slots.start, slots.count, float(scale),
              gate_bound(opts), H, HV),
-            dict(K=K, NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm, BETA_SIGMOID=opts.use_beta_sigmoid,
+            dict(K=K, NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm, USE_BETA_SIGMOID=opts.use_beta_sigmoid,
                  NEG_EIGVAL=opts.allow_neg_eigval, PREC=precision.intra, DT=compute_dtype(q), ASPAN=ANCHOR_SPAN,
                  SPAN=FACTOR_SPAN, BLOCKS=blocks, **gate_flags(opts, A_log, dt_bias), **launch("intra", BK=K)),
         )  # fmt: skip
@@ -174,7 +174,7 @@ _launch_intra = Launcher(chunk_intra_kernel)
 def chunk_solve_kernel(
     Mkk, W, v, beta, Tm, U, slot_start, slot_count, HV,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr,
-    BT: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, PREC_SOLVE: tl.constexpr,
+    BT: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, PREC_SOLVE: tl.constexpr,
     PREC_WY: tl.constexpr, DT: tl.constexpr, STORE_TM: tl.constexpr,
 ):  # fmt: skip
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
@@ -184,7 +184,7 @@ def chunk_solve_kernel(
     cols = tl.arange(0, BT)
     m_c = col_mask(cols, BT, BT)
     Mkk2 = load2(Mkk + i_hv * BT, tok, m, HV * BT, cols, m_c, DT)
-    beta2 = load_beta2(beta, tok, m, HV, i_hv, BETA_SIGMOID, NEG_EIGVAL, DT)
+    beta2 = load_beta2(beta, tok, m, HV, i_hv, USE_BETA_SIGMOID, NEG_EIGVAL, DT)
     solve_wy(
         Mkk2,
         beta2,
@@ -236,7 +236,7 @@ def chunk_solve(
     _launch_solve(
         (NC, HV),
         (contiguous(Mkk), Kt, contiguous(v), contiguous(beta), Tm, U, slots.start, slots.count, HV),
-        dict(K=K, V=V, NB=NB, BC=BC, BT=BT, BETA_SIGMOID=opts.use_beta_sigmoid, NEG_EIGVAL=opts.allow_neg_eigval,
+        dict(K=K, V=V, NB=NB, BC=BC, BT=BT, USE_BETA_SIGMOID=opts.use_beta_sigmoid, NEG_EIGVAL=opts.allow_neg_eigval,
              PREC_SOLVE=precision.solve, PREC_WY=precision.wy, DT=compute_dtype(Mkk), STORE_TM=store_tm,
              **launch("solve", BK=K, BV=V)),
     )  # fmt: skip
@@ -308,7 +308,8 @@ def chunk_local_cumsum(
 def chunk_cumsum_kernel(
     g, A_log, dt_bias, Gam, Gl, slot_start, slot_count, lower_bound, HV,
     K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-    USE_GATE: tl.constexpr, USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, DT: tl.constexpr,
+    USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+    DT: tl.constexpr,
 ):  # fmt: skip
     """Key tile ``program_id(2)`` of every chunk slot and value head: ``Gam`` and ``Gam_last`` after the gate."""
     i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -318,7 +319,7 @@ def chunk_cumsum_kernel(
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = col_mask(o_k, K, BK)
     g2 = load_log_decay(g + i_hv * K, A_log, dt_bias, tok, m, HV * K, o_k, m_k, i_hv, lower_bound, K,
-                        USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)  # fmt: skip
+                        USE_GATE, HAS_A_LOG, HAS_DT_BIAS, USE_LOWER_BOUND, DT)  # fmt: skip
     G, to_end, gl, E = chunk_decays(g2, BT)
     store2(Gam + i_hv * K, tok, m, HV * K, o_k, m_k, G)
     tl.store(Gl + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, gl.to(Gl.dtype.element_ty), mask=m_k)

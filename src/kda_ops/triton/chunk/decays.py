@@ -36,14 +36,15 @@ from torch import Tensor
 
 from kda_ops.common import Options, state_dtype
 from kda_ops.triton.chunk.tiles import BT, col_mask, slot_rows
-from kda_ops.triton.lang import gate, pdl_enter
+from kda_ops.triton.lang import log_decay, pdl_enter
 from kda_ops.triton.launch import Launcher, cdiv, compute_dtype, contiguous, jit_any_length, launch, pdl, poison, pow2
 from kda_ops.varlen import SlotRows
 
 
 @triton.jit
 def load_log_decay(g, A_log, dt_bias, tok, m, stride, o_k, m_k, i_hv, lower_bound, K: tl.constexpr,
-                   USE_GATE: tl.constexpr, USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr,
+                   USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                   USE_LOWER_BOUND: tl.constexpr,
                    DT: tl.constexpr):
     """The log decay of the chunk's rows, ``[BT, BK]`` (0 on padding), through the gate when it is in kernel::
 
@@ -52,7 +53,24 @@ def load_log_decay(g, A_log, dt_bias, tok, m, stride, o_k, m_k, i_hv, lower_boun
     """
     mask = m[:, None] & m_k[None, :]
     x = tl.load(g + tok[:, None] * stride + o_k[None, :], mask=mask, other=0.0)
-    return gate(x, mask, A_log, dt_bias, o_k, m_k, i_hv, lower_bound, K, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)
+    return gate(x, mask, A_log, dt_bias, o_k, m_k, i_hv, lower_bound, K, USE_GATE, HAS_A_LOG, HAS_DT_BIAS,
+                USE_LOWER_BOUND, DT)
+
+
+@triton.jit
+def gate(x, mask, A_log, dt_bias, o_k, m_k, i_hv, lower_bound, K: tl.constexpr, USE_GATE: tl.constexpr,
+         HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, DT: tl.constexpr):
+    """:func:`load_log_decay` after the load: ``x [BT, BK]`` as loaded (0 outside ``mask``) to the log decay."""
+    x = x.to(DT)
+    if USE_GATE:
+        if HAS_DT_BIAS:
+            x = x + tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(DT)[None, :]
+        if HAS_A_LOG:
+            a = tl.exp(tl.load(A_log + i_hv).to(DT))
+        else:
+            a = 1.0
+        x = tl.where(mask, log_decay(x, a, lower_bound, HAS_A_LOG, USE_LOWER_BOUND), 0.0)
+    return x
 
 
 @triton.jit
@@ -118,7 +136,7 @@ def block_decays(g3, NB: tl.constexpr):
 def anchor_sums_kernel(
     g, A_log, dt_bias, Sums, slot_start, slot_count, lower_bound, HV,
     K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-    USE_GATE: tl.constexpr, USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr,
+    USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
     DT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Key tile ``program_id(2)`` of every chunk slot and value head: the tile's :func:`anchor_sums` into
@@ -131,7 +149,7 @@ def anchor_sums_kernel(
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = col_mask(o_k, K, BK)
     g2 = load_log_decay(g + i_hv * K, A_log, dt_bias, tok, m, HV * K, o_k, m_k, i_hv, lower_bound, K,
-                        USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT)  # fmt: skip
+                        USE_GATE, HAS_A_LOG, HAS_DT_BIAS, USE_LOWER_BOUND, DT)  # fmt: skip
     g0, p_last, p_mid = anchor_sums(g2, BT)
     p = sums_ptr(Sums, i_c, i_hv, HV, K, o_k)
     tl.store(p, g0.to(Sums.dtype.element_ty), mask=m_k)
@@ -143,14 +161,14 @@ def gate_flags(opts: Options, A_log: Tensor | None, dt_bias: Tensor | None) -> d
     """The gate's compile-time flags of every kernel that loads ``g``."""
     return {
         "USE_GATE": opts.use_gate,
-        "USE_A": opts.use_gate and A_log is not None,
-        "USE_BIAS": opts.use_gate and dt_bias is not None,
-        "USE_BOUND": opts.use_gate and opts.lower_bound is not None,
+        "HAS_A_LOG": opts.use_gate and A_log is not None,
+        "HAS_DT_BIAS": opts.use_gate and dt_bias is not None,
+        "USE_LOWER_BOUND": opts.use_gate and opts.lower_bound is not None,
     }
 
 
 def gate_bound(opts: Options) -> float:
-    """The gate's lower bound as the kernels' runtime argument (0.0 when there is none: ``USE_BOUND`` is then off)."""
+    """The gate's lower bound as the kernels' runtime argument (0.0 without one: ``USE_LOWER_BOUND`` is then off)."""
     return 0.0 if opts.lower_bound is None else float(opts.lower_bound)
 
 

@@ -33,6 +33,7 @@ from kda_ops.triton.chunk.decays import (
     anchored_decays_from,
     block_decays,
     chunk_decays,
+    gate,
     sums_ptr,
 )
 from kda_ops.triton.chunk.tiles import (
@@ -41,7 +42,7 @@ from kda_ops.triton.chunk.tiles import (
     row_factors,
     store2,
 )
-from kda_ops.triton.lang import gate, mm
+from kda_ops.triton.lang import mm
 
 
 @triton.jit
@@ -149,8 +150,8 @@ def key_loads(q, k, g, tok, m, i_h, i_hv, H, HV, i_k, K: tl.constexpr, BK: tl.co
 
 @triton.jit
 def key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c, i_h, i_hv, H, HV, scale, lower_bound, rq, rk,
-             i_k, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr,
-             USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, DT: tl.constexpr, ANCHORED: tl.constexpr):
+             i_k, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
+             HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, DT: tl.constexpr, ANCHORED: tl.constexpr):
     """Load key tile ``i_k`` of the chunk and store its ``Qt``, ``Kend``, ``Kt = k exp(Gam)`` (the operand of ``W``,
     :func:`~kda_ops.triton.chunk_solve.wy_stored`) and ``Gam_last``.
 
@@ -160,14 +161,15 @@ def key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c, i_h, i_hv, 
     """
     xq, xk, xg = key_loads(q, k, g, tok, m, i_h, i_hv, H, HV, i_k, K, BK)
     return key_compute(xq, xk, xg, None, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c, i_hv, HV, scale,
-                       lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT, ANCHORED,
+                       lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, HAS_A_LOG, HAS_DT_BIAS, USE_LOWER_BOUND, DT,
+                       ANCHORED,
                        False)  # fmt: skip
 
 
 @triton.jit
 def key_compute(xq, xk, xg, Sums, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c, i_hv, HV, scale,
                 lower_bound, rq, rk, i_k, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, USE_GATE: tl.constexpr,
-                USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, DT: tl.constexpr,
+                HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, DT: tl.constexpr,
                 ANCHORED: tl.constexpr, GIVEN_SUMS: tl.constexpr):
     """:func:`key_tile` from the tiles as :func:`key_loads` loaded them. ``GIVEN_SUMS`` (anchored only): the tile's
     :func:`~kda_ops.triton.chunk_cumsum.anchor_sums` are read from ``Sums [NC, HV, 3, K]``
@@ -176,8 +178,8 @@ def key_compute(xq, xk, xg, Sums, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c,
     m_k = col_mask(o_k, K, BK)
     qs = xq.to(DT) * rq * scale  # a tensor times scale: rq may be the constant 1.0 (fp64 exact in the interpreter)
     kk = xk.to(DT) * rk
-    g2 = gate(xg, m[:, None] & m_k[None, :], A_log, dt_bias, o_k, m_k, i_hv, lower_bound, K, USE_GATE, USE_A,
-              USE_BIAS, USE_BOUND, DT)  # fmt: skip
+    g2 = gate(xg, m[:, None] & m_k[None, :], A_log, dt_bias, o_k, m_k, i_hv, lower_bound, K, USE_GATE, HAS_A_LOG,
+              HAS_DT_BIAS, USE_LOWER_BOUND, DT)  # fmt: skip
     if ANCHORED and GIVEN_SUMS:
         p = sums_ptr(Sums, i_c, i_hv, HV, K, o_k)
         g0 = tl.load(p, mask=m_k, other=0.0).to(DT)

@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kda_ops.common import L2NORM_EPS
+from kda_ops.triton.lang import l2norm_bwd as l2norm_bwd_rows
+from kda_ops.triton.lang import rnorm
 from kda_ops.triton.launch import cdiv, compute_dtype, contiguous, pow2
 
 ROWS = 16  # rows per program
@@ -28,20 +29,20 @@ ROWS = 16  # rows per program
 
 @triton.jit
 def _l2norm_kernel(x, dy, out, R, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BACKWARD: tl.constexpr,
-                   FACTORS: tl.constexpr, EPS: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+                   FACTORS: tl.constexpr, DT: tl.constexpr):  # fmt: skip
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BK)
     m = (rows < R)[:, None] & (cols < K)[None, :]
     p = rows[:, None] * K + cols[None, :]
     xv = tl.load(x + p, mask=m, other=0.0).to(DT)
-    r = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=1) + EPS)  # [BR]
+    r = rnorm(tl.sum(xv * xv, axis=1))  # [BR]
     if FACTORS:
         tl.store(out + rows, r.to(out.dtype.element_ty), mask=rows < R)
         return
     y = xv * r[:, None]
     if BACKWARD:
         g = tl.load(dy + p, mask=m, other=0.0).to(DT)
-        y = r[:, None] * (g - y * tl.sum(y * g, axis=1)[:, None])
+        y = l2norm_bwd_rows(y, r[:, None], g, 1)
     tl.store(out + p, y.to(out.dtype.element_ty), mask=m)
 
 
@@ -54,7 +55,7 @@ def _launch(x: Tensor, dy: Tensor | None, dtype: torch.dtype, factors: bool = Fa
         return out
     _l2norm_kernel[(cdiv(R, ROWS),)](
         x, x if dy is None else contiguous(dy), out, R, K=K, BK=pow2(K), BR=ROWS, BACKWARD=dy is not None,
-        FACTORS=factors, EPS=L2NORM_EPS, DT=compute_dtype(out if dy is None else dy), num_warps=4,
+        FACTORS=factors, DT=compute_dtype(out if dy is None else dy), num_warps=4,
     )  # fmt: skip
     return out
 

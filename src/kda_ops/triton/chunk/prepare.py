@@ -73,14 +73,14 @@ from kda_ops.varlen import SlotRows
 @triton.jit
 def solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, Kend, Tm, tok, m, i_hv, HV, K: tl.constexpr, V: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
-                    BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, PREC_SOLVE: tl.constexpr,
+                    USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, PREC_SOLVE: tl.constexpr,
                     PREC_WY: tl.constexpr, DT: tl.constexpr, STORE_TM: tl.constexpr, nq, nk, FOLD: tl.constexpr):
     """Masks; stage 3: ``Tm = (I + Mkk)^-1``. With ``STORE_TM`` (the backward's recompute): store Mqk, ``Tm``,
     ``W = Tm diag(beta) Kt`` (``Kt`` as the key tiles left it in ``W``) and ``U = Tm diag(beta) V``. Without (the
     forward's X form): store ``Mqk Tb`` in ``Mqk`` and ``Kb = Tb^T Kend`` over ``Kend`` (``Tb = Tm diag(beta)``);
     ``W`` keeps ``Kt``. ``FOLD``: the products were formed from raw ``q, k``; ``nq, nk [BT]`` are their l2norm
     factors, applied here to rows and columns."""
-    beta2 = load_beta2(beta, tok, m, HV, i_hv, BETA_SIGMOID, NEG_EIGVAL, DT)
+    beta2 = load_beta2(beta, tok, m, HV, i_hv, USE_BETA_SIGMOID, NEG_EIGVAL, DT)
     if FOLD:
         Mqk2 = Mqk2 * nq[:, None] * nk[None, :]
         Mkk2 = Mkk2 * nk[:, None] * nk[None, :]
@@ -108,7 +108,7 @@ def chunk_prepare_kernel(
     q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm, Rqk, Sums, slot_start, slot_count,
     scale, lower_bound, H, HV, T, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr,
-    USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     NEG_EIGVAL: tl.constexpr, PREC_INTRA: tl.constexpr, PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr,
     DT: tl.constexpr, STORE_TM: tl.constexpr, ASPAN: tl.constexpr, FOLD: tl.constexpr, PREFETCH: tl.constexpr,
     GIVEN_NORMS: tl.constexpr, GIVEN_SUMS: tl.constexpr, PDL: tl.constexpr,
@@ -149,7 +149,8 @@ def chunk_prepare_kernel(
             ssq += tl.sum(xq.to(DT) * xq.to(DT), axis=1)
             ssk += tl.sum(xk.to(DT) * xk.to(DT), axis=1)
         qs, kk, g2, E = key_compute(xq, xk, xg, Sums, A_log, dt_bias, Qt, Kend, Gl, W, tok, m, i_c, i_hv, HV,
-                                    scale, lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND,
+                                    scale, lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, HAS_A_LOG, HAS_DT_BIAS,
+                                    USE_LOWER_BOUND,
                                     DT, True, GIVEN_SUMS)  # fmt: skip
         span = row_span(span, E)
         Mqk2, Mkk2 = intra_anchored(qs, kk, E, Mqk2, Mkk2, PREC_INTRA, DT, ASPAN)
@@ -166,15 +167,15 @@ def chunk_prepare_kernel(
         nk = 1.0
     if not far:
         solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, Kend, Tm, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT,
-                        BETA_SIGMOID, NEG_EIGVAL, PREC_SOLVE, PREC_WY, DT, STORE_TM, nq, nk, FOLD)  # fmt: skip
+                        USE_BETA_SIGMOID, NEG_EIGVAL, PREC_SOLVE, PREC_WY, DT, STORE_TM, nq, nk, FOLD)  # fmt: skip
 
 
 @triton.jit
 def blocks_chunk(
     i_c, i_hv, q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Nrm, Rqk, slot_start, slot_count, scale,
     lower_bound, H, HV, T, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
-    BC: tl.constexpr, BT: tl.constexpr, USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr,
-    USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
+    BC: tl.constexpr, BT: tl.constexpr, USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
     PREC_INTRA: tl.constexpr, PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr, DT: tl.constexpr,
     STORE_TM: tl.constexpr, SPAN: tl.constexpr, FOLD: tl.constexpr, GIVEN_NORMS: tl.constexpr,
 ):  # fmt: skip
@@ -187,14 +188,15 @@ def blocks_chunk(
         Mkk2 = tl.zeros((BT, BT), dtype=DT)
         for i_k in range(tl.cdiv(K, BK)):
             qs, kk, g2, E = key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, W, tok, m, i_c, i_h, i_hv, H, HV, scale,
-                                     lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, USE_A, USE_BIAS, USE_BOUND, DT,
+                                     lower_bound, rq, rk, i_k, K, BK, BT, USE_GATE, HAS_A_LOG, HAS_DT_BIAS,
+                                     USE_LOWER_BOUND, DT,
                                      False)  # fmt: skip
             Mqk2, Mkk2 = intra_blocks(qs, kk, g2, Mqk2, Mkk2, NB, BC, BT, BK, PREC_INTRA, DT, SPAN)
         if FOLD:  # this kernel stores normalised factors: unit factors for its chunk's rows
             one = tl.full((BT,), 1.0, DT)
             store_norms(Nrm, one, one, tok, m, i_hv, HV, T)
         solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, Kend, Tm, tok, m, i_hv, HV, K, V, BK, BV, NB, BC, BT,
-                        BETA_SIGMOID, NEG_EIGVAL, PREC_SOLVE, PREC_WY, DT, STORE_TM, 1.0, 1.0, False)  # fmt: skip
+                        USE_BETA_SIGMOID, NEG_EIGVAL, PREC_SOLVE, PREC_WY, DT, STORE_TM, 1.0, 1.0, False)  # fmt: skip
 
 
 @jit_any_length
@@ -202,7 +204,7 @@ def chunk_prepare_blocks_kernel(
     q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm, Rqk, slot_start, slot_count, scale,
     lower_bound, H, HV, T, NI, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, USE_L2NORM: tl.constexpr, USE_GATE: tl.constexpr,
-    USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_BOUND: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     NEG_EIGVAL: tl.constexpr, PREC_INTRA: tl.constexpr, PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr,
     DT: tl.constexpr, STORE_TM: tl.constexpr, SPAN: tl.constexpr, CHECK_FLAG: tl.constexpr, FOLD: tl.constexpr,
     GIVEN_NORMS: tl.constexpr, FB: tl.constexpr, FLAG_LOOP: tl.constexpr, PDL: tl.constexpr,
@@ -219,8 +221,9 @@ def chunk_prepare_blocks_kernel(
                 j = tl.min(tl.where(f != 0, lanes, FB), axis=0)
                 blocks_chunk((b + j) // HV, (b + j) % HV, q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl,
                              Tm, Nrm, Rqk, slot_start, slot_count, scale, lower_bound, H, HV, T, K, V, BK, BV, NB,
-                             BC, BT, USE_L2NORM, USE_GATE, USE_A, USE_BIAS, USE_BOUND, BETA_SIGMOID, NEG_EIGVAL,
-                             PREC_INTRA, PREC_SOLVE, PREC_WY, DT, STORE_TM, SPAN, FOLD, GIVEN_NORMS)  # fmt: skip
+                             BC, BT, USE_L2NORM, USE_GATE, HAS_A_LOG, HAS_DT_BIAS, USE_LOWER_BOUND, USE_BETA_SIGMOID,
+                             NEG_EIGVAL, PREC_INTRA, PREC_SOLVE, PREC_WY, DT, STORE_TM, SPAN, FOLD,
+                             GIVEN_NORMS)  # fmt: skip
                 f = tl.where(lanes == j, 0, f)
     else:  # a program per item (every item without CHECK_FLAG)
         i_c, i_hv = tl.program_id(0), tl.program_id(1)
@@ -231,8 +234,8 @@ def chunk_prepare_blocks_kernel(
         if run:
             blocks_chunk(i_c, i_hv, q, k, v, g, beta, A_log, dt_bias, Mqk, W, U, Qt, Kend, Gl, Tm, Nrm, Rqk,
                          slot_start, slot_count, scale, lower_bound, H, HV, T, K, V, BK, BV, NB, BC, BT, USE_L2NORM,
-                         USE_GATE, USE_A, USE_BIAS, USE_BOUND, BETA_SIGMOID, NEG_EIGVAL, PREC_INTRA, PREC_SOLVE,
-                         PREC_WY, DT, STORE_TM, SPAN, FOLD, GIVEN_NORMS)  # fmt: skip
+                         USE_GATE, HAS_A_LOG, HAS_DT_BIAS, USE_LOWER_BOUND, USE_BETA_SIGMOID, NEG_EIGVAL, PREC_INTRA,
+                         PREC_SOLVE, PREC_WY, DT, STORE_TM, SPAN, FOLD, GIVEN_NORMS)  # fmt: skip
 
 
 # The block pass after the anchored one: flags read FLAG_BLOCK at a time by at most one program per SM (the kernel
@@ -385,7 +388,7 @@ def _prepare(
             H, HV, T)  # fmt: skip
     meta = dict(
         K=K, V=V, NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm,
-        BETA_SIGMOID=opts.use_beta_sigmoid, NEG_EIGVAL=opts.allow_neg_eigval, PREC_INTRA=precision.intra,
+        USE_BETA_SIGMOID=opts.use_beta_sigmoid, NEG_EIGVAL=opts.allow_neg_eigval, PREC_INTRA=precision.intra,
         PREC_SOLVE=precision.solve, PREC_WY=precision.wy, DT=compute_dtype(v), STORE_TM=store_tm,
         GIVEN_NORMS=norms is not None,
         **gate_flags(opts, A_log, dt_bias),

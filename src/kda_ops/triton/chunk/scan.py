@@ -100,7 +100,7 @@ def scan_tiles(W, U, Kend, Gl, Nk, tok, eos, c0, j, n_chunks, i_hv, HV, T, o_k, 
 def chunk_state_kernel(
     W, U, Kend, Gl, h0, final, Hin, E, Nk, cu, chunk_off, HV, T,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr, PREC_SCAN: tl.constexpr, DT: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, PREC_SCAN: tl.constexpr, DT: tl.constexpr,
     NORMS: tl.constexpr, X_FORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(PDL)
@@ -122,7 +122,7 @@ def chunk_state_kernel(
     m_s = m_k[:, None] & m_v[None, :]
     p_s = o_k[:, None] * V + o_v[None, :]
     s_off = (i_n.to(tl.int64) * HV + i_hv) * K * V
-    if USE_H0:
+    if USE_INITIAL_STATE:
         S = tl.load(h0 + s_off + p_s, mask=m_s, other=0.0).to(DT)
     else:
         S = tl.zeros((BK, BV), dtype=DT)
@@ -152,7 +152,7 @@ def chunk_state_kernel(
         tok += BT
         m = tok < eos
         w, u, ke, gl, nk = w_n, u_n, ke_n, gl_n, nk_n
-    if STORE_FINAL:
+    if STORE_FINAL_STATE:
         tl.store(final + s_off + p_s, S.to(final.dtype.element_ty), mask=m_s)
 
 
@@ -205,7 +205,7 @@ def chunk_state(
         (N * HV * cdiv(V, BV),),
         (contiguous(W), contiguous(U), contiguous(Kend), Gl, h0, final, Hin, E,
          None if norms is None else norms[1], cu, offsets, HV, T),
-        dict(K=K, V=V, BK=pow2(K), BV=BV, BT=BT, USE_H0=h0 is not None, STORE_FINAL=final is not None,
+        dict(K=K, V=V, BK=pow2(K), BV=BV, BT=BT, USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=final is not None,
              PREC_SCAN=precision.scan, DT=compute_dtype(Gl), NORMS=norms is not None, X_FORM=x_form,
              **launch("scan"), **pdl(W.device)),
     )  # fmt: skip

@@ -44,7 +44,8 @@ def chunk_tiles(dO, Mqk, Kend, Qt, W, Gl, tok, m, c, i_hv, HV, o_k, m_k, o_v, m_
 def chunk_bwd_scan_kernel(
     dO, Mqk, Qt, Kend, W, Gl, dht, dSp, dE, dh0, cu, chunk_off, HV,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr, PREC_QO: tl.constexpr, DT: tl.constexpr,
+    USE_FINAL_STATE_GRADIENT: tl.constexpr, STORE_INITIAL_STATE_GRADIENT: tl.constexpr, PREC: tl.constexpr,
+    PREC_QO: tl.constexpr, DT: tl.constexpr,
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
@@ -61,7 +62,7 @@ def chunk_bwd_scan_kernel(
     m_s = m_k[:, None] & m_v[None, :]
     p_s = o_k[:, None] * V + o_v[None, :]
     s_off = (i_n.to(tl.int64) * HV + i_hv) * K * V
-    if USE_DHT:
+    if USE_FINAL_STATE_GRADIENT:
         dS = tl.load(dht + s_off + p_s, mask=m_s, other=0.0).to(DT)  # [BK, BV]
     else:
         dS = tl.zeros((BK, BV), dtype=DT)
@@ -80,7 +81,7 @@ def chunk_bwd_scan_kernel(
         de = mm(ke, dS, PREC, DT) + mm(tl.trans(A), do, PREC, DT)  # [BT, BV]
         store2(dE + i_hv * V, tok, m, HV * V, o_v, m_v, de)
         dS = dS * tl.exp(gl.to(DT))[:, None] + mm(tl.trans(qt), do, PREC_QO, DT) - mm(tl.trans(w), de, PREC, DT)
-    if STORE_DH0:
+    if STORE_INITIAL_STATE_GRADIENT:
         tl.store(dh0 + s_off + p_s, dS.to(dh0.dtype.element_ty), mask=m_s)
 
 
@@ -127,7 +128,8 @@ def chunk_bwd_scan(
     chunk_bwd_scan_kernel[(cdiv(V, BV), N * HV)](
         contiguous(dO), contiguous(Mqk), contiguous(Qt), contiguous(Kend), contiguous(W), Gl,
         None if dht is None else contiguous(dht), dSp, dE, dh0, cu, offsets, HV,
-        K=K, V=V, BK=pow2(K), BV=BV, BT=BT, USE_DHT=dht is not None, STORE_DH0=store_dh0, PREC=prec,
+        K=K, V=V, BK=pow2(K), BV=BV, BT=BT, USE_FINAL_STATE_GRADIENT=dht is not None,
+        STORE_INITIAL_STATE_GRADIENT=store_dh0, PREC=prec,
         PREC_QO=exact_bf16(prec, Qt, dO), DT=compute_dtype(Gl), **launch("scan"),
     )  # fmt: skip
     return dE, dSp, dh0

@@ -108,10 +108,10 @@ def rnorm2(ptr, tok, m, stride, K: tl.constexpr, BK: tl.constexpr, BT: tl.conste
 
 
 @triton.jit
-def load_beta2(ptr, tok, m, HV, i_hv, USE_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, DT: tl.constexpr):
+def load_beta2(ptr, tok, m, HV, i_hv, USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, DT: tl.constexpr):
     """beta of the chunk's rows, ``[BT]``, 0 on padding rows."""
     x = tl.load(ptr + tok * HV + i_hv, mask=m, other=0.0).to(DT)
-    return tl.where(m, beta_value(x, USE_SIGMOID, NEG_EIGVAL), 0.0)
+    return tl.where(m, beta_value(x, USE_BETA_SIGMOID, NEG_EIGVAL), 0.0)
 
 
 @triton.jit

@@ -34,10 +34,9 @@ import triton.language as tl
 from torch import Tensor
 
 from kda_ops.common import Options, state_dtype
+from kda_ops.triton.lang import beta_value, l2norm_bwd, log_decay
 from kda_ops.triton.launch import compute_dtype, contiguous, poison
 from kda_ops.triton.recurrent.forward import (
-    beta_forward,
-    gate_forward,
     l2norm_rows,
     launch_config,
     load_head_params,
@@ -73,12 +72,6 @@ def checkpoint_interval(tokens: int, sequences: int) -> int:
 
 
 @triton.jit
-def l2norm_bwd(y, r, dy):
-    """Gradient of ``y = x r`` (l2norm) to ``x``: ``r (dy - y (y . dy))``, linear in ``dy``."""
-    return r * (dy - y * tl.sum(y * dy, 0))
-
-
-@triton.jit
 def gate_bwd(b_x, b_g, b_a, b_dt, b_dg, lower_bound, HAS_A_LOG: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):
     """Gradient of the gate to its raw input ``x``, and the per-channel terms of ``dA_log`` (summed by the caller)."""
     z = b_x + b_dt
@@ -100,7 +93,7 @@ def gate_bwd(b_x, b_g, b_a, b_dt, b_dg, lower_bound, HAS_A_LOG: tl.constexpr, US
 
 @triton.jit
 def beta_bwd(b_y, b_dbeta, USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
-    """Gradient of :func:`beta_forward` to its raw input."""
+    """Gradient of :func:`~kda_ops.triton.lang.beta_value` to its raw input."""
     if NEG_EIGVAL:
         b_dbeta = b_dbeta * 2.0
     if USE_BETA_SIGMOID:
@@ -246,11 +239,11 @@ def recurrent_bwd_kernel(
                 b_kn, b_rk = l2norm_rows(b_kn)
             b_x = tl.load(g + (t * HV + i_hv) * K + o_k, mask=m_k, other=0).to(DT)
             if USE_GATE:
-                b_g = gate_forward(b_x, b_a, b_dt, lower_bound, HAS_A_LOG, USE_LOWER_BOUND)
+                b_g = log_decay(b_x + b_dt, b_a, lower_bound, HAS_A_LOG, USE_LOWER_BOUND)
             else:
                 b_g = b_x
             b_y = tl.load(beta + t * HV + i_hv).to(DT)
-            b_beta = beta_forward(b_y, USE_BETA_SIGMOID, NEG_EIGVAL)
+            b_beta = beta_value(b_y, USE_BETA_SIGMOID, NEG_EIGVAL)
             b_v = tl.load(v + (t * HV + i_hv) * V + o_v, mask=m_v, other=0).to(DT)  # [BV]
             b_do = tl.load(do + (t * HV + i_hv) * V + o_v, mask=m_v, other=0).to(DT)  # [BV]
             # the forward step again, from S_{t-1}
@@ -272,8 +265,8 @@ def recurrent_bwd_kernel(
             b_G = b_dSt * b_decay[None, :]
             # chain rules to the raw inputs (linear, so per partial)
             if USE_L2NORM:
-                b_dqn = l2norm_bwd(b_qn, b_rq, b_dqn)
-                b_dkn = l2norm_bwd(b_kn, b_rk, b_dkn)
+                b_dqn = l2norm_bwd(b_qn, b_rq, b_dqn, 0)
+                b_dkn = l2norm_bwd(b_kn, b_rk, b_dkn, 0)
             if USE_GATE:
                 b_dg, b_dA_terms = gate_bwd(b_x, b_g, b_a, b_dt, b_dg, lower_bound, HAS_A_LOG, USE_LOWER_BOUND)
                 b_dA += tl.where(m_k, b_dA_terms, 0)

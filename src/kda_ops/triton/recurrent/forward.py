@@ -29,6 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kda_ops.common import Options, forward_outputs
+from kda_ops.triton.lang import beta_value, log_decay, rnorm
 from kda_ops.triton.launch import Launcher, contiguous, poison, pow2
 
 # Launch configuration: fixed per shape (no autotune), so the first call inside a CUDA-graph capture needs no
@@ -61,12 +62,6 @@ def launch_config(K: int, V: int) -> tuple[int, int, int]:
 
 
 # ------------------------------------------------------------------------------------------- jit helpers
-
-
-@triton.jit
-def softplus(x):
-    # max(x, 0) + log(1 + exp(-|x|)): equal to torch's softplus (threshold 20) to rounding, never overflows
-    return tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x)))
 
 
 @triton.jit
@@ -103,32 +98,9 @@ def load_head_params(A_log, dt_bias, i_hv, o_k, m_k, K: tl.constexpr, DT: tl.con
 
 @triton.jit
 def l2norm_rows(x):
-    """``x / sqrt(sum(x * x) + 1e-6)`` over the key dimension; also returns ``r = 1 / sqrt(...)``."""
-    r = tl.rsqrt(tl.sum(x * x, 0) + 1e-6)
+    """``x`` l2-normalised over the key dimension, and its factor ``r`` (:func:`~kda_ops.triton.lang.rnorm`)."""
+    r = rnorm(tl.sum(x * x, 0))
     return x * r, r
-
-
-@triton.jit
-def gate_forward(b_x, b_a, b_dt, lower_bound, HAS_A_LOG: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):
-    """Log decay from the raw gate input: ``-a softplus(x + dt)``, or ``L sigmoid(a (x + dt))`` (``a = exp(A_log)``)."""
-    z = b_x + b_dt
-    if USE_LOWER_BOUND:
-        if HAS_A_LOG:
-            z = b_a * z
-        b_g = lower_bound * tl.sigmoid(z)
-    else:
-        b_g = -b_a * softplus(z)
-    return b_g
-
-
-@triton.jit
-def beta_forward(b_y, USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
-    """``beta`` or ``sigmoid(beta)``, times 2 with negative eigenvalues allowed."""
-    if USE_BETA_SIGMOID:
-        b_y = tl.sigmoid(b_y)
-    if NEG_EIGVAL:
-        b_y = b_y * 2.0
-    return b_y
 
 
 @triton.jit
@@ -160,13 +132,13 @@ def token_transform(xq, xk, xg, xb, b_a, b_dt, scale, lower_bound, DT: tl.conste
     b_q = xq.to(DT)
     b_k = xk.to(DT)
     b_g = xg.to(DT)
-    b_beta = beta_forward(xb.to(DT), USE_BETA_SIGMOID, NEG_EIGVAL)
+    b_beta = beta_value(xb.to(DT), USE_BETA_SIGMOID, NEG_EIGVAL)
     if USE_L2NORM:
         b_q, _ = l2norm_rows(b_q)
         b_k, _ = l2norm_rows(b_k)
     if USE_GATE:
         # padded key rows get a finite decay; their state rows are zero and stay zero
-        b_g = gate_forward(b_g, b_a, b_dt, lower_bound, HAS_A_LOG, USE_LOWER_BOUND)
+        b_g = log_decay(b_g + b_dt, b_a, lower_bound, HAS_A_LOG, USE_LOWER_BOUND)
     return b_q * scale, b_k, b_g, b_beta
 
 
