@@ -125,41 +125,52 @@ _get_raw_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
 
 
 
-# Launch configuration of each stage kernel: fixed, chosen by measurement on the H200 (``python
-# benchmarks/bench_chunk.py --sweep-launch``), so that no call autotunes and a capture needs no warm-up beyond the
-# compile. ``BK``/``BV``: the key/value tile where the stage loops over tiles. Benchmarks override entries.
+# Launch configuration of each chunk stage kernel: fixed, chosen by measurement on the H200 (the sweeps are in
+# ``docs/experiments.md``), so that no call autotunes and a capture needs no warm-up beyond the compile. ``BK``/``BV``:
+# the key/value tile where the stage loops over tiles. Benchmarks override entries.
 LAUNCH: dict[str, dict[str, int]] = {
-    "cumsum": {"num_warps": 4, "num_stages": 1},
-    # chunk_anchor_sums at B1 T32768 H32 on the H200 (2026-11-30): BK 64 with 2 warps 0.140 ms, 4 warps 0.189;
-    # BK 128 with 2 / 4 / 8 warps 0.141 / 0.165 / 0.476; BK 32 with 2 / 4 warps 0.146 / 0.194
+    # the anchor sums: BK 64 with 2 warps 0.140 ms at B1 T32768 H32 (4 warps 0.189)
     "sums": {"num_warps": 2, "num_stages": 1},
-    "intra": {"num_warps": 4, "num_stages": 1, "BK": 32},
-    "solve": {"num_warps": 4, "num_stages": 1, "BK": 64, "BV": 64},
-    # stages 1-3 fused (chunk_prepare): the anchored pass, and the block pass of the flagged chunks
+    # stages 1-3 fused: the anchored pass, and the block pass of the flagged chunks
     "prepare": {"num_warps": 4, "num_stages": 1, "BK": 32, "BV": 64},
     "prepare_blocks": {"num_warps": 8, "num_stages": 1, "BK": 16, "BV": 64},
     "scan": {"num_warps": 8, "num_stages": 1},
-    # output: BV 128 with 16-bit states and K <= 128 (a program per item: 122 registers, 72 KB shared at K = 128);
-    # chunk_output caps it at 64 elsewhere. B1 T32768 H32 bf16 on the H200 (2026-11-30, a program per item): BV 128 /
-    # 4 warps 0.436 ms, BV 64 / 4 warps 0.460, BV 64 / 8 warps 0.510, BV 128 / 8 warps 0.500, BV 32 / 4 warps 0.836.
-    # Where the tiles are 16-bit and K <= 128, a program per SM walks the (chunk slot, value tile, value head) items
-    # with its loop pipelined over 3 stages (152 registers, 156 KB of shared memory), against a program per item
-    # (three per SM), which leaves each program's loads exposed (chunk_output). B1 T32768 H32 bf16 on the H200
-    # (triton 3.6, 2026-11-30, `.scratch/outexp.py`, same outputs bit for bit): a program per item 0.420 ms (0.409
-    # with E loaded as stored, not through fp32), per SM with 2 / 3 / 4 stages 0.422 / 0.385 / 0.386; programs of
-    # 8 / 16 / 32 consecutive slots, 3 stages, 0.392 / 0.389 / 0.410; 2 programs per SM, 3 stages, at BV 64 0.434,
-    # with 8 warps 0.438.
+    # output: BV 128 with 16-bit states and K <= 128 (the output stage caps it at 64 elsewhere). There a program per
+    # SM walks the (chunk slot, value tile, value head) items with its loop pipelined over 3 stages (152 registers,
+    # 156 KB of shared memory): 0.385 ms at B1 T32768 H32 bf16, against 0.420 for a program per item.
     "output": {"num_warps": 4, "num_stages": 3, "BV": 128},
-    # The backward's per-chunk gradient stages (chunk_bwd_dv; chunk_bwd_dqk: its anchored pass, its block pass).
-    # Forward + backward at B1 T32768 H32 bf16 on the H200 (2026-11-29): dqk 8 warps BV 32 27.78 ms, BV 64 26.37;
-    # dv 4 warps BV 32 27.78, 8 warps 29.42, 8 warps BV 64 28.49. Spills (ptxas sm_90, bytes per thread): dqk
-    # 8 warps BV 64 16, BV 32 96, 4 warps 560-608, BK 64 456-1992; dv 4 warps BV 32 32, BK or BV 64 with 4 warps
-    # 256-560. The block pass (flagged chunks only) spills 168 B with 4 warps. Again on 2026-11-30 (fwd + bwd 18.84
-    # ms, dv 3.01): dv with 8 warps at BK 64 / BV 64, BK 64 / BV 32, BK 32 / BV 64 (no spills) 19.24 / 19.82 / 19.78.
+    # The backward's per-chunk gradient stages (dv; dqk: its anchored pass, its block pass), the largest tiles that
+    # do not spill (ptxas, sm_90): dqk at BV 64 gains 1.4 ms of the B1 T32768 H32 bf16 forward + backward over BV 32.
     "dv": {"num_warps": 4, "num_stages": 1, "BK": 32, "BV": 32},
     "dqk": {"num_warps": 8, "num_stages": 1, "BK": 32, "BV": 64},
     "dqk_blocks": {"num_warps": 4, "num_stages": 1, "BK": 32, "BV": 32},
 }
+
+
+# The recurrent kernels: fixed per shape (no autotune). The forward's value tile of at most 64 with 2 warps at
+# K = V = 128: the decode step under a CUDA graph on an H200 at B = 64 in 83.4 µs, against 90.0 for BV 32 / 4 warps.
+RECURRENT_BV_MAX = 64
+RECURRENT_ELEMENTS_PER_WARP = 4096  # state elements per warp: 128 fp32 registers per thread for the state tile
+# The backward holds about five [BV, BK] tiles at once (S_{t-1}, St, S_t, G, dSt): half the forward's elements per
+# warp; BV = 32 with 8 warps uses 232-254 registers and no stack at K = V = 128 and 256 (ptxas, sm_90), BV = 64 spills.
+RECURRENT_BWD_BV_MAX = 32
+RECURRENT_BWD_ELEMENTS_PER_WARP = 512
+
+
+@functools.cache
+def recurrent_config(K: int, V: int) -> tuple[int, int, int]:
+    """``(BK, BV, num_warps)`` of the recurrent forward for head dimensions ``K, V``: the whole key dimension in one
+    tile (the l2norm stays local to a program)."""
+    BK = pow2(K, 1)
+    BV = min(pow2(V, 1), RECURRENT_BV_MAX)
+    return BK, BV, min(8, max(1, BK * BV // RECURRENT_ELEMENTS_PER_WARP))
+
+
+def recurrent_bwd_config(K: int, V: int) -> tuple[int, int, int]:
+    """``(BK, BV, num_warps)`` of the recurrent backward: the forward's key tile, value tiles of at most 32."""
+    BK, BV, _ = recurrent_config(K, V)
+    BV = min(BV, RECURRENT_BWD_BV_MAX)
+    return BK, BV, min(8, max(1, BK * BV // RECURRENT_BWD_ELEMENTS_PER_WARP))
 
 
 def launch(stage: str, **tiles: int) -> dict[str, int]:
@@ -213,9 +224,8 @@ jit_any_length = triton.jit(
 def pdl(device: torch.device) -> Mapping[str, bool]:
     """Launch options of the kernels that open with :func:`pdl_enter`: programmatic dependent launch where the GPU
     has it (sm_90 and later, compiled rather than interpreted), so that a kernel's programs are launched, and wait,
-    while the kernel before them finishes, instead of after it (the launch latency off the stream's critical path).
-    Measured on the H200 (triton 3.6, 2026-11-30, `.scratch/pv.py`, fresh processes alternating): the forward at
-    B1 T1024 H32 bf16 under a CUDA graph 117.3 / 117.1 -> 114.3 / 114.3 µs, at T = 8192 750 -> 749 µs.
+    while the kernel before them finishes, instead of after it (the launch latency off the stream's critical path):
+    the forward at B1 T1024 H32 bf16 under a CUDA graph on an H200 117.3 -> 114.3 µs.
     """
     return _pdl(_index(device)) if device.type == "cuda" else _NO_PDL
 

@@ -23,8 +23,7 @@ def dqk(
     T, HV = Gam.shape[:2]
     index = slot_index(slots, C, T)
     qc, kc, Gc, bc, dAc, dMc, dKtc, Ec, dOc, dbc = (
-        gather(x, index)
-        for x in (expand_heads(q, HV), expand_heads(k, HV), Gam, beta, dMqk, dMkk, dKt, E, dO, dbeta)
+        gather(x, index) for x in (expand_heads(q, HV), expand_heads(k, HV), Gam, beta, dMqk, dMkk, dKt, E, dO, dbeta)
     )
     # padding rows hold Gam = 0 after the gather; they carry no token, but the pairwise decays need them <= Gam_last
     valid = (torch.arange(C, device=Gam.device) < slots.count[:, None])[:, None, :, None]

@@ -1,7 +1,8 @@
 """The backward of the fused recurrent KDA kernel: reverse time, states recomputed from checkpoints.
 
-The per-token gradients of ``backward.md`` walk the tokens backwards and need ``S_{t-1}`` at every step. The
-update is never inverted (``exp(g)`` may be ~0); instead one program per (sequence, value head, value tile):
+The per-token gradients (``docs/math.md``, "Recurrent backward") walk the tokens backwards and need ``S_{t-1}`` at
+every step. The update is never inverted (``exp(g)`` may be ~0); instead one program per (sequence, value head,
+value tile):
 
 1. runs the forward over its sequence, storing its state tile at the start of every segment of ``C`` tokens
    (the checkpoints);
@@ -35,30 +36,16 @@ from torch import Tensor
 
 from kda_ops.common import Options, state_dtype
 from kda_ops.triton.lang import beta_value, l2norm_bwd, log_decay
-from kda_ops.triton.launch import compute_dtype, contiguous, poison
+from kda_ops.triton.launch import compute_dtype, contiguous, poison, recurrent_bwd_config
 from kda_ops.triton.recurrent.forward import (
     l2norm_rows,
-    launch_config,
     load_head_params,
     load_token,
     sequence_bounds,
 )
 
-# The backward holds about five [BV, BK] tiles at once (S_{t-1}, St, S_t, G, dSt): half the forward's elements per
-# warp. Compiled for sm_90 (python tests/_sm90_compile_recurrent.py, triton 3.6-3.7): BV = 32 with 8 warps uses
-# 232-254 registers and no stack at K = V = 128 and 256 (fp64, for checks only, spills). Without alignment hints
-# BV = 64 spilled 128-208 bytes. Smaller tiles would multiply the per-tile partials (memory). TODO(bench): time it.
-BWD_ELEMENTS_PER_WARP = 512
-BWD_BV_MAX = 32
 MIN_CHECKPOINT_INTERVAL = 4
 MAX_CHECKPOINT_INTERVAL = 64
-
-
-def backward_config(K: int, V: int) -> tuple[int, int, int]:
-    """``(BK, BV, num_warps)`` of the backward: the forward's key tile, value tiles of at most 32."""
-    BK, BV, _ = launch_config(K, V)
-    BV = min(BV, BWD_BV_MAX)
-    return BK, BV, min(8, max(1, BK * BV // BWD_ELEMENTS_PER_WARP))
 
 
 def checkpoint_interval(tokens: int, sequences: int) -> int:
@@ -326,7 +313,7 @@ def recurrent_bwd(
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     TOT = B * T
-    BK, BV, num_warps = backward_config(K, V)
+    BK, BV, num_warps = recurrent_bwd_config(K, V)
     NV = (V + BV - 1) // BV
     C = checkpoint_interval(TOT, N)
     f = state_dtype(v)

@@ -1,4 +1,4 @@
-"""The fused recurrent KDA kernel (seed article, section 5): decode, short sequences and a serving state pool.
+"""The fused recurrent KDA kernel (``docs/math.md``, "The recurrence"): decode, short sequences, a serving pool.
 
 One program per (sequence, value head, value tile). The program holds a ``[BK, BV]`` tile of the state ``S [K, V]``
 in registers (fp32; fp64 for fp64 inputs) and walks its sequence's tokens in order::
@@ -10,7 +10,7 @@ in registers (fp32; fp64 for fp64 inputs) and walks its sequence's tokens in ord
     o_t = sum_k S * (scale * q_t)       read after write  [BV]
 
 The in-kernel transforms (l2norm of q and k, the gate, the beta sigmoid) are applied per token as each token is
-loaded, with the formulas of ``architecture.md``; ``BK = next_power_of_2(K)`` covers the whole key dimension,
+loaded, with the formulas of :mod:`kda_ops.triton.lang`; ``BK = next_power_of_2(K)`` covers the whole key dimension,
 so the l2norm sum over K is local to the program. Padded key rows carry zero keys, so they stay zero.
 
 Sequences: a dense batch ``[B, T]`` (sequence ``n`` is tokens ``n*T ..``) or packed by ``cu_seqlens``, read on the
@@ -30,36 +30,7 @@ from torch import Tensor
 
 from kda_ops.common import Options, forward_outputs
 from kda_ops.triton.lang import beta_value, log_decay, rnorm
-from kda_ops.triton.launch import Launcher, contiguous, poison, pow2
-
-# Launch configuration: fixed per shape (no autotune), so the first call inside a CUDA-graph capture needs no
-# warm-up beyond compilation. Chosen by `python benchmarks/bench_recurrent.py --sweep` (H200, triton 3.6,
-# 2026-11-29; decode, K = V = 128, graph-replayed serving step, µs at B = 1/16/64/256): BV = 64 with 2 warps
-# 9.2/26.2/83.4/300.8, against 8.7/27.6/90.0/328.2 for BV = 32 with 4 warps and 9.2/26.2/84.7/308.1 for
-# BV = 64 with 4; BV = 16 is 1.5-1.8x slower from B = 64, BV = 128 and 8 warps slower everywhere. Cache hints on
-# the state (evict-first load, streaming store) made the B = 64 step slower: 75.3 -> 79.5 µs (2026-11-29). A
-# persistent grid (4 programs per SM walking the tiles) gained 1 % at B = 64 and 3.4 % at B = 256 (serving step,
-# 82.8 -> 81.7 and 299.6 -> 289.3 µs) and lost at B = 1; reading the next tile's state into registers while the
-# current one runs (double buffering) was 20-25 % slower from B = 64 (two tiles per program halve the resident
-# programs), an L2 prefetch of it slower too (93.5-98.7 µs at B = 64). Not taken: a second kernel path for ~1 %.
-# Each token's loads go out a step ahead, the first before the slot's load (serving: the state's address waits for
-# it): B = 64 serving step under a graph 83.2 / 82.6 -> 75.5 / 75.5 µs, recurrent_kda 73.0 / 73.2 -> 72.0 / 72.1
-# (cold 69.7 -> 68.1), B = 1 7.9 -> 7.5 (H200, triton 3.6, 2026-11-30, two processes of each, alternating).
-# Not taken (same day): register caps for more programs per SM (maxnreg 200 / 184 / 168: B = 64 step 72.7 ->
-# 79.5 / 92.9 / 121.7 µs, spilling); k^T S and q^T S in one reduction (o = q^T S + (q . k) e): recurrent 72.2 ->
-# 71.6 µs but serving 75.7 -> 76.6.
-BV_MAX = 64
-ELEMENTS_PER_WARP = 4096  # state elements per warp: 128 fp32 registers per thread for the state tile
-
-
-@functools.cache
-def launch_config(K: int, V: int) -> tuple[int, int, int]:
-    """``(BK, BV, num_warps)`` for head dimensions ``K, V`` (plain Python: triton's helpers cost microseconds)."""
-    BK = pow2(K, 1)
-    BV = min(pow2(V, 1), BV_MAX)
-    num_warps = min(8, max(1, BK * BV // ELEMENTS_PER_WARP))
-    return BK, BV, num_warps
-
+from kda_ops.triton.launch import Launcher, contiguous, poison, recurrent_config
 
 # ------------------------------------------------------------------------------------------- jit helpers
 
@@ -147,10 +118,8 @@ def token_transform(xq, xk, xg, xb, b_a, b_dt, scale, lower_bound, DT: tl.conste
 
 # No specialisation on the length ``T`` or the pool's slot count ``NS``: Triton would otherwise compile a kernel for
 # T == 1 (a decode step), for T divisible by 16 and for any other T (a 3-token speculative step), each a compile a
-# CUDA-graph capture after a warm-up could meet. One form serves every length; B = 64 gained 1 µs, B = 1 moved
-# within noise. H200, triton 3.6, 2026-11-30, `.scratch/dec.py` (decode step under a CUDA graph, do_bench / cold
-# µs, two processes of each, alternating): B = 64 recurrent 72.5 / 72.6 -> 71.5 / 71.6 (cold 68.7 / 68.5 -> 67.6 /
-# 67.9), serving 75.7 / 76.0 -> 74.8 / 75.3; B = 1 recurrent 7.4 / 7.6 -> 7.6 / 7.7, serving 7.9 / 8.4 -> 8.0 / 7.7.
+# CUDA-graph capture after a warm-up could meet. One form serves every length (B = 64 decode under a CUDA graph on an
+# H200: 72.5 -> 71.5 µs).
 @triton.jit(do_not_specialize=["T", "NS"])
 def recurrent_fwd_kernel(
     q,  # [B*T, H, K]
@@ -306,7 +275,7 @@ def _forward_meta(
 ) -> tuple[int, dict[str, Any], tuple[Any, ...]]:  # fmt: skip
     """The number of value tiles, the constexpr arguments of one launch and a hashable key that determines them,
     computed once per configuration (the eager decode call is dominated by host overhead)."""
-    BK, BV, num_warps = launch_config(K, V)
+    BK, BV, num_warps = recurrent_config(K, V)
     key = (H, HV, K, V, fp64, opts, has_A_log, has_dt_bias, has_h0, has_ht, varlen, indexed, BK, BV, num_warps)
     meta = dict(
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, DT=tl.float64 if fp64 else tl.float32,
