@@ -19,11 +19,11 @@ Schemas (``torch.ops.kda.*``)::
               bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval)
         -> (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)
     recurrent_bwd(...)                  same schema as chunk_bwd
-    chunk_train(...)                    chunk's schema -> (o, final_state, Mqk, Qt, Kend, Gam_last, Tm, W, Hin, E,
+    chunk_train(...)                    chunk's schema -> (o, final_state, Mqk, Qt, Kend, Gl, Tm, W, Hin, E,
                                         norms): the forward of a training step, keeping the factors its backward
                                         reads (Triton kernels only); differentiable in o and final_state
     chunk_bwd_saved(do, Tensor? dht, q, k, v, g, beta, float scale, Tensor? initial_state, Tensor? cu_seqlens,
-                    Tensor? A_log, Tensor? dt_bias, Mqk, Qt, Kend, Gam_last, Tm, W, Hin, E, norms,
+                    Tensor? A_log, Tensor? dt_bias, Mqk, Qt, Kend, Gl, Tm, W, Hin, E, norms,
                     float? lower_bound, bool x 4) -> (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)
     recurrent_update_(q, k, v, g, beta, Tensor(a!) state_pool, Tensor state_indices, float scale,
                       Tensor? cu_seqlens, Tensor? A_log, Tensor? dt_bias, float? lower_bound,
@@ -367,7 +367,7 @@ def chunk_bwd_saved(
     Mqk: Tensor,
     Qt: Tensor,
     Kend: Tensor,
-    Gam_last: Tensor,
+    Gl: Tensor,
     Tm: Tensor,
     W: Tensor,
     Hin: Tensor,
@@ -383,7 +383,7 @@ def chunk_bwd_saved(
         lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval
     )
     kernel = _triton_only("chunk_bwd_saved", q.device)
-    saved = (Mqk, Qt, Kend, Gam_last, Tm, W, Hin, E, norms)
+    saved = (Mqk, Qt, Kend, Gl, Tm, W, Hin, E, norms)
     grads = kernel(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts, saved)
     return tuple(q.new_empty(0) if x is None else x for x in grads)  # type: ignore[return-value]
 

@@ -117,7 +117,7 @@ def chunk_map(cu_seqlens: Tensor | None, B: int, T: int, C: int, device: torch.d
 
     Equal to :func:`flat_cu_seqlens`, :func:`chunk_slots` and the sequences' first slots (tests/test_varlen.py),
     in 11 device ops for a dense batch and 19 with ``cu_seqlens``, against about 45 (the Triton drivers build a
-    dense batch's map in one launch, :mod:`kda_ops.triton.chunk_map`, checked equal to this one). Not cached: a
+    dense batch's map in one launch, :mod:`kda_ops.triton.chunk.slots`, checked equal to this one). Not cached: a
     map built during a ``reduce-overhead`` warm-up lives in the CUDA-graph tree's memory pool, which the tree
     reclaims (a cache made this way failed ``test_prefill_and_decode_reduce_overhead_equal_to_eager`` on the H200).
     """

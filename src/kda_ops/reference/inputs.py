@@ -89,7 +89,7 @@ def beta_transform_bwd(beta: Tensor, use_sigmoid: bool, allow_neg_eigval: bool, 
     return c * db
 
 
-def prepare(
+def transform_inputs(
     q: Tensor,
     k: Tensor,
     g: Tensor,
@@ -108,7 +108,7 @@ def prepare(
     return q, k, g, beta_transform(beta, opts.use_beta_sigmoid, opts.allow_neg_eigval)
 
 
-def prepare_bwd(
+def transform_inputs_bwd(
     q: Tensor,
     k: Tensor,
     g: Tensor,
@@ -144,6 +144,6 @@ __all__ = [
     "gate_bwd",
     "l2norm",
     "l2norm_bwd",
-    "prepare",
-    "prepare_bwd",
+    "transform_inputs",
+    "transform_inputs_bwd",
 ]

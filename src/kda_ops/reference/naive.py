@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from kda_ops.common import Options, state_dtype
-from kda_ops.reference.inputs import prepare
+from kda_ops.reference.inputs import transform_inputs
 
 
 def naive_recurrent_kda(
@@ -44,7 +44,7 @@ def naive_recurrent_kda(
     opts = Options(
         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound
     )
-    qp, kp, gp, bp = prepare(q, k, g, beta, A_log, dt_bias, opts, dtype)
+    qp, kp, gp, bp = transform_inputs(q, k, g, beta, A_log, dt_bias, opts, dtype)
     qp = qp.repeat_interleave(HV // H, dim=2)
     kp = kp.repeat_interleave(HV // H, dim=2)
     vp = v.to(dtype)

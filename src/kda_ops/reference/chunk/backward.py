@@ -4,7 +4,7 @@ and ``torch.ops.kda.recurrent`` compute the same function). Mirrors the driver :
 It recomputes the forward (:func:`~kda_ops.reference.chunk.forward.forward_chunks`), runs the reverse scan over
 chunk slots (the formulas of :mod:`.scan_bwd`), then, in parallel over the slots, the gradients through the WY
 factors (:mod:`.dv`) and the pairwise products (:mod:`.dqk`) of ``docs/math.md`` ("The chunkwise form"), and chains
-the input transforms' gradients (:func:`kda_ops.reference.inputs.prepare_bwd`).
+the input transforms' gradients (:func:`kda_ops.reference.inputs.transform_inputs_bwd`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import Tensor
 from kda_ops.common import Options
 from kda_ops.reference.chunk.common import DEFAULT_CHUNK_SIZE, gather, pairwise_bwd, pairwise_decay, scatter
 from kda_ops.reference.chunk.forward import flatten_inputs, forward_chunks
-from kda_ops.reference.inputs import prepare_bwd
+from kda_ops.reference.inputs import transform_inputs_bwd
 
 
 def chunk_bwd(
@@ -101,7 +101,7 @@ def chunk_bwd(
     dv_t = scatter(dv, st.index, BT).unflatten(0, (B, T))
     dg_t = scatter(dgc, st.index, BT).unflatten(0, (B, T))
     db_t = scatter(dbeta, st.index, BT).unflatten(0, (B, T))
-    dq_t, dk_t, dg_t, db_t, dA, ddt = prepare_bwd(q, k, g, beta, A_log, dt_bias, opts, dq_t, dk_t, dg_t, db_t)
+    dq_t, dk_t, dg_t, db_t, dA, ddt = transform_inputs_bwd(q, k, g, beta, A_log, dt_bias, opts, dq_t, dk_t, dg_t, db_t)
     return (
         dq_t.to(q.dtype),
         dk_t.to(k.dtype),

@@ -23,7 +23,7 @@ from kda_ops.reference.chunk.common import (
 from kda_ops.reference.chunk.intra import intra_chunk
 from kda_ops.reference.chunk.scan import state_scan
 from kda_ops.reference.chunk.solve import solve_unit_lower, wy_factors
-from kda_ops.reference.inputs import prepare
+from kda_ops.reference.inputs import transform_inputs
 from kda_ops.varlen import ChunkSlots, chunk_slots, flat_cu_seqlens
 
 
@@ -89,7 +89,7 @@ def flatten_inputs(
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dtype = state_dtype(v)
-    qp, kp, gp, bp = prepare(q, k, g, beta, A_log, dt_bias, opts, dtype)
+    qp, kp, gp, bp = transform_inputs(q, k, g, beta, A_log, dt_bias, opts, dtype)
     qp = qp.repeat_interleave(HV // H, dim=2).flatten(0, 1)
     kp = kp.repeat_interleave(HV // H, dim=2).flatten(0, 1)
     cu = flat_cu_seqlens(cu_seqlens, B, T, v.device)

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from kda_ops.common import Options
 from kda_ops.reference.chunk.common import gather, scatter, slot_index
-from kda_ops.reference.inputs import prepare
+from kda_ops.reference.inputs import transform_inputs
 from kda_ops.varlen import ChunkSlots
 
 
@@ -29,7 +29,7 @@ def prepare_flat(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Flat ``[T, ...]`` inputs through the transforms, in ``dtype``: ``(q, k)`` per value head, ``g``, ``beta``."""
     HV = g.shape[1]
-    qp, kp, gp, bp = prepare(q, k, g, beta, A_log, dt_bias, opts, dtype)
+    qp, kp, gp, bp = transform_inputs(q, k, g, beta, A_log, dt_bias, opts, dtype)
     G = HV // q.shape[1]
     return qp.repeat_interleave(G, dim=1), kp.repeat_interleave(G, dim=1), gp, bp
 

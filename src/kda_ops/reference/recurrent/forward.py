@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from kda_ops.common import Options, state_dtype
-from kda_ops.reference.inputs import prepare
+from kda_ops.reference.inputs import transform_inputs
 from kda_ops.varlen import sanitize_cu_seqlens
 
 
@@ -42,7 +42,7 @@ def recurrent_fwd(
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dtype = state_dtype(v)
-    qp, kp, gp, bp = prepare(q, k, g, beta, A_log, dt_bias, opts, dtype)
+    qp, kp, gp, bp = transform_inputs(q, k, g, beta, A_log, dt_bias, opts, dtype)
     qp = qp.repeat_interleave(HV // H, dim=2) * scale
     kp = kp.repeat_interleave(HV // H, dim=2)
     vp = v.to(dtype)

@@ -1,18 +1,18 @@
-"""The chunkwise KDA backward in Triton: the driver of the backward stages (``backward.md``).
+"""The chunkwise KDA backward in Triton: the driver of the backward stages (``docs/math.md``, "Chunk backward").
 
-Per value head, chunks of ``BT = 64`` tokens, the forward's notation (:mod:`kda_ops.triton.chunk`)::
+Per value head, chunks of ``BT = 64`` tokens, the forward's notation (:mod:`kda_ops.triton.chunk.forward`)::
 
-    q, k, g, beta  <- the options (l2norm, gate, beta sigmoid), in torch              (chunk_bwd_gates)
-    Mqk, Qt, Kend, Gam_last, Tm, W, Hin, E  <- the forward, recomputed (chunk_bwd_recompute), or kept by the
+    q, k, g, beta  <- the options (l2norm, gate, beta sigmoid), in torch              (inputs)
+    Mqk, Qt, Kend, Gam_last, Tm, W, Hin, E  <- the forward, recomputed (recompute), or kept by the
                                                training forward (chunk_fwd_train, kda::chunk_train)
     dS' (per chunk), dE = Kend dS' + Mqk^T dO, dS = e^{Gam_last} dS' + Qt^T dO - W^T dE
-                                                    reverse scan; dh0 = dS            (chunk_bwd_scan)
-    dv, dMqk, dMkk = -tril(Tm^T dT Tm^T), dKt, dbeta (through U, W, Tm)                (chunk_bwd_dv)
-    dq, dk, dg = revcumsum(dGam), dbeta (through Mqk, Mkk, Qt, Kt, Kend, e^{Gam_last}) (chunk_bwd_dqk)
-    dq, dk summed over each group of value heads; chain rules of the options          (chunk_bwd_gates)
+                                                    reverse scan; dh0 = dS            (scan_bwd)
+    dv, dMqk, dMkk = -tril(Tm^T dT Tm^T), dKt, dbeta (through U, W, Tm)                (dv)
+    dq, dk, dg = revcumsum(dGam), dbeta (through Mqk, Mkk, Qt, Kt, Kend, e^{Gam_last}) (dqk)
+    dq, dk summed over each group of value heads; chain rules of the options          (inputs)
 
 Nothing reads a value on the host and every allocation is shaped by ``T``, ``N`` and the head sizes: the chunk-slot
-map (:func:`kda_ops.triton.chunk_map.slot_map`) is static, the scan reads ``cu_seqlens`` on the device.
+map (:func:`kda_ops.triton.chunk.slots.slot_map`) is static, the scan reads ``cu_seqlens`` on the device.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import Tensor
 from kda_ops.common import Options, state_dtype
 from kda_ops.triton.chunk.dqk import chunk_bwd_dqk
 from kda_ops.triton.chunk.dv import chunk_bwd_dv
-from kda_ops.triton.chunk.inputs import prepare, prepare_bwd
+from kda_ops.triton.chunk.inputs import transform_inputs, transform_inputs_bwd
 from kda_ops.triton.chunk.recompute import (
     Recomputed,
     chunk_bwd_recompute,
@@ -41,13 +41,10 @@ def product_precisions(dtype: torch.dtype) -> tuple[str, str]:
 
     fp64 exact; fp32 3xTF32 (~2e-7 a product); 16-bit tf32 (~3e-4 a product, within the 8e-3 budget of the
     gradients), 3xTF32 through the inverse (the error hot spot). The interpreter computes all in exact fp32.
-    Measured on the H200 (triton 3.6, 2026-11-29; B1 H32 bf16, forward + backward at T = 32768, gradient error at
-    T = 1000 vs the float64 oracle; fla-core 0.6.0 on the same inputs: dq 3.36e-3, dk 3.27e-3, dv 3.36e-3, dg
-    3.23e-3, dbeta 3.76e-3): TF32 24.0-24.4 ms, dq 2.51e-3, dk 2.40e-3, dv 2.45e-3, dg 1.83e-3, dbeta 2.47e-3. Not
-    taken: bf16 products in the reverse scan, 23.58 ms (the scan 3.43 -> 2.88 ms) with dv 2.83e-3 and dbeta 2.79e-3
-    on these inputs, but two GPU tests over their bounds (every option with allow_neg_eigval; zero gates, where the
-    state gradient grows without decay and is rounded to bf16 as an operand); bf16 in every gradient kernel,
-    22.82 ms, dg 5.50e-3 and dq 3.35e-3 (worse than fla's).
+    No product rounds its operands to bf16 (only operands already stored in bf16 take bf16 products, exactly):
+    in the reverse scan the state gradient grows without decay under zero gates and its rounding takes gradients
+    over the GPU tests' bounds, and bf16 products in every gradient kernel put dg at B1 T1000 H32 bf16 at 5.50e-3
+    against 1.83e-3 with TF32.
     """
     if dtype == torch.float64 or interpreting():
         return "ieee", "ieee"
@@ -129,7 +126,7 @@ def _gradients(
     if dht is not None and dht.numel() == 0:
         dht = None
     qf, kf, vf, gf, bf = (contiguous(x).flatten(0, 1) for x in (q, k, v, g, beta))
-    qp, kp, gp, bp, norms = prepare(qf, kf, gf, bf, A_log, dt_bias, opts, dt, with_norms=saved is None)
+    qp, kp, gp, bp, norms = transform_inputs(qf, kf, gf, bf, A_log, dt_bias, opts, dt, with_norms=saved is None)
     if saved is not None and opts.use_qk_l2norm:
         norms = saved[8]
     dO = contiguous(do).flatten(0, 1)
@@ -145,33 +142,41 @@ def _gradients(
         prec, prec_t = product_precisions(v.dtype)
         rp = recompute_precision(v.dtype)
         if saved is None:
-            fw = chunk_bwd_recompute(qp, kp, vf, gp, bp, scale, h0, cu, slots, rp, slots.offset, norms)
+            fw = chunk_bwd_recompute(
+                q=qp, k=kp, v=vf, g=gp, beta=bp, scale=scale, h0=h0, cu=cu, slots=slots, precision=rp,
+                offsets=slots.offset, norms=norms,
+            )
         else:
             fw = Recomputed(*saved[:8])
         dht_c = None if dht is None else dht.to(dt)
         # dS', dMqk, dMkk, dKt through memory in the factors' storage dtype (bf16 for bf16 inputs): each is written
-        # once and read once, never carried (chunk_bwd_scan, chunk_bwd_dv)
+        # once and read once, never carried (the reverse scan, the dv stage)
         store = rp.store
         dE, dSp, dh0_ = chunk_bwd_scan(
-            dO, fw.Mqk, fw.Qt, fw.Kend, fw.W, fw.Gl, dht_c, cu, prec, initial_state is not None, slots.offset, store
+            dO=dO, Mqk=fw.Mqk, Qt=fw.Qt, Kend=fw.Kend, W=fw.W, Gl=fw.Gl, dht=dht_c, cu=cu, prec=prec,
+            store_dh0=initial_state is not None, offsets=slots.offset, dsp_dtype=store,
         )
         # each recomputed intermediate is dropped after its last reader, so that the caching allocator reuses its
         # memory for the next stage's outputs: Mqk, Qt, Kend and W after the scan, Tm and dE after the dv stage
-        # (measured on the H200 in docs/architecture.md, "Chunk backward: what is saved"); saved ones live on in
-        # the autograd graph until the backward returns
+        # (docs/architecture.md, "Chunk backward: what is saved"); saved ones live on in the autograd graph until
+        # the backward returns
         Tm, Hin, E, Gl = fw.Tm, fw.Hin, fw.E, fw.Gl
         del fw
-        dv_t, dbeta_p, dMqk, dMkk, dKt, Gam = chunk_bwd_dv(kp, vf, gp, bp, Tm, Hin, E, dE, dO, slots, prec, prec_t,
-                                                                v.dtype, store, norms)
+        dv_t, dbeta_p, dMqk, dMkk, dKt, Gam = chunk_bwd_dv(
+            k=kp, v=vf, g=gp, beta=bp, Tm=Tm, Hin=Hin, E=E, dE=dE, dO=dO, slots=slots, prec=prec, prec_t=prec_t,
+            dv_dtype=v.dtype, store=store, norms=norms,
+        )
         del Tm, dE
-        dq_v, dk_v, zg, zb = chunk_bwd_dqk(qp, kp, Gam, Gl, bp, dMqk, dMkk, dKt, Hin, E, dSp, dO, dbeta_p, scale,
-                                           slots, prec, norms)  # fmt: skip
+        dq_v, dk_v, zg, zb = chunk_bwd_dqk(
+            q=qp, k=kp, Gam=Gam, Gl=Gl, beta=bp, dMqk=dMqk, dMkk=dMkk, dKt=dKt, Hin=Hin, E=E, dSp=dSp, dO=dO,
+            dbeta_partial=dbeta_p, scale=scale, slots=slots, prec=prec, norms=norms,
+        )
         dh0 = dh0_ if dh0_ is not None else dSp.new_empty(0)
         del Hin, E, dSp, dMqk, dMkk, dKt, Gam
         # a group's value heads share their q/k head (without groups the view is the sum: no pass over the tensor)
         zq = dq_v if G == 1 else dq_v.view(B * T, H, G, K).sum(2)
         zk = dk_v if G == 1 else dk_v.view(B * T, H, G, K).sum(2)
-    dq, dk, dg, dbeta, dA, ddt = prepare_bwd(qf, kf, gf, bf, A_log, dt_bias, opts, zq, zk, zg, zb)
+    dq, dk, dg, dbeta, dA, ddt = transform_inputs_bwd(qf, kf, gf, bf, A_log, dt_bias, opts, zq, zk, zg, zb)
     return (
         dq.view_as(q).to(q.dtype),
         dk.view_as(k).to(k.dtype),

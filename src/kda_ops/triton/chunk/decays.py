@@ -24,8 +24,9 @@ bound ``E`` already had; a hard reset at row 0 (``g_0 ~ -1000``, the start of a 
 them. A chunk that fails the span check is redone by the block path from :func:`chunk_decays`.
 
 An exclusive suffix is an inclusive one minus ``g_j``: exact unless ``g_j`` itself is huge, and then only token
-``j``'s own column rounds. The standalone kernel writes ``Gam`` and ``Gam_last`` (the stage's oracle checks them);
-the gate formulas of ``reference/gates.py`` are stated here once for every kernel that loads ``g``.
+``j``'s own column rounds. The stage tests' standalone kernel (``tests/triton/chunk/stage_kernels.py``) writes
+``Gam`` and ``Gam_last`` for the stage's oracle; the gate formulas of ``reference/inputs.py`` are stated here once for
+every kernel that loads ``g``.
 """
 
 from __future__ import annotations
@@ -99,9 +100,8 @@ def anchored_decays(g2, BT: tl.constexpr):
     """:func:`chunk_decays` for the anchored path, from one scan and one three-way reduction (module docstring):
     exact to ``ulp(160)`` where every ``|E| <= 80``, which that path checks before it keeps a chunk.
 
-    A scan along the rows of a ``[BT, BK]`` tile crosses warps; each cost about 0.34 ms of the forward at B1 T32768
-    H32 (H200), and the three sums cost what one did: the anchored prepare kernel took 2.68 ms with
-    :func:`chunk_decays`, 2.38 with this (``docs/benchmarks.md``).
+    A scan along the rows of a ``[BT, BK]`` tile crosses warps, and the three sums cost what one scan does: the
+    anchored prepare kernel at B1 T32768 H32 bf16 on an H200 takes 2.38 ms with this, 2.68 with :func:`chunk_decays`.
     """
     g0, p_last, p_mid = anchor_sums(g2, BT)
     return anchored_decays_from(g2, g0, p_last, p_mid, BT)
@@ -187,8 +187,9 @@ def chunk_anchor_sums(
     and ``P_mid = sum_{0 < j < BT / 2} g_j`` of the chunk's log decay after the gate (compute dtype; empty slots not
     written), the three sums :func:`anchored_decays` forms by a reduction across warps.
 
-    The forward's prepare kernel reads them instead (``chunk_prepare``): that reduction took a third of the kernel's
-    time (Nsight Compute samples, H200), and this kernel, a program per ``[BT, 64]`` tile, only reads ``g`` once.
+    The forward's prepare kernel (:func:`~kda_ops.triton.chunk.prepare.chunk_prepare`) reads them instead: done
+    there, that reduction takes a third of the kernel's time (Nsight Compute samples, H200), and this kernel, a
+    program per ``[BT, 64]`` tile, only reads ``g`` once.
     """
     T, HV, K = g.shape
     NC = slots.start.shape[0]

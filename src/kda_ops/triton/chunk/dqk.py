@@ -1,6 +1,6 @@
 """Backward stage 3b: per chunk, the key-side gradients dq, dk, dg and the rest of dbeta.
 
-One program per (chunk slot, value head) walks the key tiles. Per tile (``backward.md``)::
+One program per (chunk slot, value head) walks the key tiles. Per tile (``docs/math.md``, "Chunk backward")::
 
     dQt = dO S^T,   dKend = E dS'^T                               (a loop over value tiles)
     through Mqk = s (q, k) pairwise products, dX = s dMqk;  through Mkk = beta (k, k) pairwise products,
@@ -12,23 +12,23 @@ One program per (chunk slot, value head) walks the key tiles. Per tile (``backwa
     dg   = reverse cumulative sum of dGam within the chunk
 
 Pairwise products ``X[i,j] = sum_d a_id b_jd exp(Gam_id - Gam_jd)`` (``j <= i``) take one of two passes, as in the
-forward's stage 2 (:mod:`~kda_ops.triton.chunk_intra`):
+forward's stage 2 (:mod:`~kda_ops.triton.chunk.intra`):
 
 - **anchored** (the usual case: every ``|Gam_i - Gam_mid| <= ANCHOR_SPAN`` over the chunk's rows, ``mid = 31``):
   ``R = e^{Gam - Gam_mid}``, ``da = (dX (b e^{-E})) R``, ``db = (dX^T (a R)) e^{-E}``: four tensor-core products
   ``[BT, BT] x [BT, BK]`` per key tile. Every factor stays within ``e^{+-80}``; ``dX`` is zero above the diagonal,
-  so no future pair contributes. Measured on the H200 (triton 3.6, 2026-11-29, B1 T32768 H32 bf16): the stage took
-  16.7 ms with the block pass for every chunk, 9.0 ms with the anchored pass, 7.6 ms with its value tiles at 64.
+  so no future pair contributes. Against the block pass for every chunk, the stage at B1 T32768 H32 bf16 on an
+  H200: 16.7 -> 9.0 ms.
 - **block** (a chunk beyond the span, flagged by the first pass; a second launch takes only those), per 16-row
   block pair:
 
-- diagonal blocks elementwise, ``exp(Gam_i - Gam_j)`` with ``j <= i`` only (exponent <= 0), one column ``j`` at a
-  time: ``[BC, BK]`` temporaries, where the ``[BC, BC, BK]`` form of all columns at once spilled ~2.5 KB of
-  registers per thread (ptxas, sm_90, K = V = 128);
-- an earlier column block ``J`` factored around its last row ``n``: ``exp(Gam_i - Gam_n) exp(Gam_n - Gam_j)``,
-  both exponents <= 0, so no factor exceeds 1 whatever the gates (a hard reset of -1000 underflows to 0, as
-  it should). ``da_I += (dX_IJ (b_J e^{Gam_n - Gam_J})) e^{Gam_I - Gam_n}``,
-  ``db_J += (dX_IJ^T (a_I e^{Gam_I - Gam_n})) e^{Gam_n - Gam_J}``: two tensor-core products per block pair.
+  - diagonal blocks elementwise, ``exp(Gam_i - Gam_j)`` with ``j <= i`` only (exponent <= 0), one column ``j`` at
+    a time: ``[BC, BK]`` temporaries, where the ``[BC, BC, BK]`` form of all columns at once spills kilobytes of
+    registers per thread (ptxas, sm_90, K = V = 128);
+  - an earlier column block ``J`` factored around its last row ``n``: ``exp(Gam_i - Gam_n) exp(Gam_n - Gam_j)``,
+    both exponents <= 0, so no factor exceeds 1 whatever the gates (a hard reset of -1000 underflows to 0, as
+    it should). ``da_I += (dX_IJ (b_J e^{Gam_n - Gam_J})) e^{Gam_I - Gam_n}``,
+    ``db_J += (dX_IJ^T (a_I e^{Gam_I - Gam_n})) e^{Gam_n - Gam_J}``: two tensor-core products per block pair.
 
 Every exponent is clamped at 0 before ``exp``, so padding rows (whose loads are 0) stay finite and drop out.
 """
@@ -107,7 +107,7 @@ def pairwise_bwd(q, k, Nq, Nk, Gam, beta, dMqk, dMkk, tok0, count, i_h, i_hv, H,
                 dbJ += mm(tl.trans(Xk * bI[:, None]), kI * eI, PREC, DT) * eJ
             else:
                 # the diagonal block, exactly, one column j at a time: [BC, BK] temporaries instead of
-                # [BC, BC, BK] ones (those spilled kilobytes of registers per thread on sm_90)
+                # [BC, BC, BK] ones (those spill kilobytes of registers per thread on sm_90)
                 dbJ = tl.zeros((BC, BK), dtype=DT)
                 for jj in range(BC):
                     cj = J * BC + jj
@@ -136,7 +136,8 @@ def anchored_bwd(qq, kk, G, Gmid, dMqk, dMkk, beta, tok, m, i_hv, HV, scale, BT:
                  DT: tl.constexpr, SPAN: tl.constexpr):
     """:func:`pairwise_bwd`'s four results for one key tile ``[BT, BK]`` by the anchored factors (module docstring):
     ``G`` the tile's Gam and ``Gmid [BK]`` its anchor row. ``dMqk``, ``dMkk`` are read per tile (from cache): kept
-    across the tiles, the two ``[BT, BT]`` blocks spilled 304 bytes per thread (ptxas, sm_90, K = V = 128, 4 warps)."""
+    across the tiles, the two ``[BT, BT]`` blocks would spill 304 bytes per thread (ptxas, sm_90, K = V = 128, 4
+    warps)."""
     cols = tl.arange(0, BT)
     m_c = col_mask(cols, BT, BT)
     E = tl.where(m[:, None], G - Gmid[None, :], 0.0)  # padding rows: factors 1, their X rows and columns are 0
@@ -219,7 +220,7 @@ def chunk_bwd_dqk_kernel(
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = col_mask(o_k, K, BK)
         # the terms are added as they come, each tile dropped after its last use, so that few [BT, BK] tiles are
-        # live at a time (the kernel spilled kilobytes of registers per thread when all of them were)
+        # live at a time (the kernel spills kilobytes of registers per thread when all of them are)
         if BLOCKS:
             daq, dak, dbk, dbeta_kk = pairwise_bwd(q, k, Nq, Nk, Gam, beta, dMqk, dMkk, tok0, count, i_h, i_hv, H,
                                                    HV, scale, o_k, m_k, K, BK, NB, BC, BT, PREC, DT, NORMS)  # fmt: skip

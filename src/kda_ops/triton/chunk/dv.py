@@ -1,7 +1,7 @@
 """Backward stage 3a: per chunk, the value-side gradients and the gradients of the chunk's matrices.
 
 One program per (chunk slot, value head), given the incoming state ``S = Hin``, the resolved errors ``E`` and their
-gradient ``dE`` (stage 2) and ``dO`` (``backward.md``)::
+gradient ``dE`` (stage 2) and ``dO`` (``docs/math.md``, "Chunk backward")::
 
     dMqk = tril(dO E^T)                                            (with the diagonal)         [BT, BT]
     X    = Tm^T dE,    dv = beta X,    dbeta  = rowsum(X * v)       through U = Tm diag(beta) V
@@ -114,14 +114,11 @@ def chunk_bwd_dv(
     ``dv_dtype`` when given (the driver asks for v's own: one rounding of the same fp32 value, and no conversion
     pass over ``[T, HV, V]`` afterwards); ``dMqk``, ``dMkk``, ``dKt`` in ``store`` when given (the driver passes the
     factors' storage dtype, bf16 for bf16 inputs: each is written here and read once by the dq/dk stage, one
-    rounding). Measured on the H200 (triton 3.6, 2026-11-29, B1 H32 bf16, with ``dS'`` already in bf16; forward +
-    backward at T = 32768, gradient error at T = 1000 vs the float64 oracle): fp32 21.54 ms, 4.85 GB; bf16 ``dKt``
-    21.39 ms, 4.59 GB, errors unchanged; bf16 ``dMqk, dMkk`` 21.08 ms, dq 2.51e-3 -> 3.01e-3; all three 21.00 ms,
-    4.32 GB, dq 3.01e-3, dk 2.91e-3, dv 2.45e-3, dg 2.37e-3, dbeta 2.47e-3 (fla-core 0.6.0: 3.36e-3, 3.27e-3,
-    3.36e-3, 3.23e-3, 3.76e-3).
+    rounding): forward + backward at B1 T32768 H32 bf16 on an H200 21.54 -> 21.00 ms, every gradient error still
+    below fla-core's.
 
     ``norms [2, T, H]`` (optional): the l2norm factors of q's and k's rows, with ``k`` raw: the kernel forms the
-    normalised ``k`` as it loads it (:func:`~kda_ops.triton.chunk_common.row_factors`).
+    normalised ``k`` as it loads it (:func:`~kda_ops.triton.chunk.tiles.row_factors`).
     """
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]

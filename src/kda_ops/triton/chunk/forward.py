@@ -23,7 +23,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from kda_ops.common import Options, forward_outputs, num_sequences, state_dtype
-from kda_ops.triton.chunk.inputs import prepare
+from kda_ops.triton.chunk.inputs import transform_inputs
 from kda_ops.triton.chunk.output import chunk_output
 from kda_ops.triton.chunk.precision import Precision, precision_for
 from kda_ops.triton.chunk.prepare import chunk_prepare
@@ -80,13 +80,20 @@ def chunk_fwd(
     # stages 1-3, fused per chunk, in the X form: Gam; Mqk, Mkk, Qt, Kend; Tm = (I + Mkk)^-1; with
     # Tb = Tm diag(beta): Mqk Tb, Kt = k exp(Gam), Kb = Tb^T Kend (neither W = Tb Kt nor U = Tb V)
     vf = _flat(v)
-    f = chunk_prepare(_flat(q), _flat(k), vf, _flat(g), _flat(beta), scale, slots, _opt(A_log), _opt(dt_bias), opts,
-                      p)
+    f = chunk_prepare(
+        q=_flat(q), k=_flat(k), v=vf, g=_flat(g), beta=_flat(beta), scale=scale, slots=slots, A_log=_opt(A_log),
+        dt_bias=_opt(dt_bias), opts=opts, precision=p,
+    )
     # stage 4: X = V - Kt S (E = U - W S = Tb X);  S' = exp(Gam_last) S + Kb^T X, keeping the state entering each chunk
-    Hin, X = chunk_state(f.Kt, vf, f.Kb, f.Gl, h0, cu, p, final=final if output_final_state else None,
-                         offsets=slots.offset, norms=f.Nrm, x_form=True)  # fmt: skip
+    Hin, X = chunk_state(
+        W=f.Kt, U=vf, Kend=f.Kb, Gl=f.Gl, h0=h0, cu=cu, precision=p, final=final if output_final_state else None,
+        offsets=slots.offset, norms=f.Nrm, x_form=True,
+    )
     # stage 5: O = Qt S + Mqk E = Qt S + (Mqk Tb) X, parallel over chunks
-    chunk_output(f.Qt, f.MqkTb, Hin, X, slots, p, o.dtype, out=o.view(B * T, *o.shape[2:]), norms=f.Nrm)
+    chunk_output(
+        Qt=f.Qt, Mqk=f.MqkTb, Hin=Hin, E=X, slots=slots, precision=p, out_dtype=o.dtype,
+        out=o.view(B * T, *o.shape[2:]), norms=f.Nrm,
+    )
     return o, final
 
 
@@ -136,14 +143,19 @@ def chunk_fwd_train(
         norms_0 = q.new_empty(2, 0, q.shape[2], dtype=dt) if opts.use_qk_l2norm else q.new_empty(0)
         return (o, final, *kept, norms_0)
     qf, kf, vf, gf, bf = (contiguous(x).flatten(0, 1) for x in (q, k, v, g, beta))
-    qp, kp, gp, bp, norms = prepare(qf, kf, gf, bf, A_log, dt_bias, opts, dt)
+    qp, kp, gp, bp, norms = transform_inputs(qf, kf, gf, bf, A_log, dt_bias, opts, dt)
     slots = slot_map(cu_seqlens, B, T, v.device)
     rp = recompute_precision(v.dtype)
     poison(o, final)
-    fw = chunk_bwd_recompute(qp, kp, vf, gp, bp, scale, h0, slots.cu, slots, rp, slots.offset, norms,
-                             final=final if output_final_state else None)  # fmt: skip
+    fw = chunk_bwd_recompute(
+        q=qp, k=kp, v=vf, g=gp, beta=bp, scale=scale, h0=h0, cu=slots.cu, slots=slots, precision=rp,
+        offsets=slots.offset, norms=norms, final=final if output_final_state else None,
+    )
     clear_empty_slots(fw, slots)
-    chunk_output(fw.Qt, fw.Mqk, fw.Hin, fw.E, slots, rp, o.dtype, out=o.view(B * T, *o.shape[2:]))
+    chunk_output(
+        Qt=fw.Qt, Mqk=fw.Mqk, Hin=fw.Hin, E=fw.E, slots=slots, precision=rp, out_dtype=o.dtype,
+        out=o.view(B * T, *o.shape[2:]),
+    )
     return (o, final, *fw.tensors(), q.new_empty(0) if norms is None else norms)
 
 

@@ -1,11 +1,11 @@
 """The in-kernel input transforms of the chunk backward, in PyTorch (the l2norm in one Triton pass each way,
-:mod:`kda_ops.triton.l2norm`): applied before the backward kernels, and their gradients chained after them
-(``backward.md``, "Option gradients").
+:mod:`kda_ops.triton.chunk.l2norm`): applied before the backward kernels, and their gradients chained after them
+(``docs/math.md``, "Option gradients").
 
 The backward kernels work on *prepared* tensors (the log decay g and the transformed beta in the compute dtype; q
 and k as given, with the factors of their l2norm, which the kernels apply as they load them), so one set of kernels
 serves every option. These are elementwise and row-wise torch ops on
-the device: no host synchronisation, shapes from the inputs only. (``kda_ops.reference.gates`` holds the same
+the device: no host synchronisation, shapes from the inputs only. (``kda_ops.reference.inputs`` holds the same
 math for the oracle; ``kda_ops.triton`` never imports the reference, so it is written out here.)
 """
 
@@ -27,7 +27,7 @@ def _gate_args(x: Tensor, A_log: Tensor | None, dt_bias: Tensor | None) -> tuple
     return z0, a
 
 
-def prepare(
+def transform_inputs(
     q: Tensor, k: Tensor, g: Tensor, beta: Tensor, A_log: Tensor | None, dt_bias: Tensor | None, opts: Options,
     dtype: torch.dtype, with_norms: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:  # fmt: skip
@@ -56,7 +56,7 @@ def prepare(
     return q, k, g, beta, norms
 
 
-def prepare_bwd(
+def transform_inputs_bwd(
     q: Tensor, k: Tensor, g: Tensor, beta: Tensor, A_log: Tensor | None, dt_bias: Tensor | None, opts: Options,
     dq: Tensor, dk: Tensor, dg: Tensor, dbeta: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:  # fmt: skip
@@ -97,4 +97,4 @@ def prepare_bwd(
     return dq, dk, dg, dbeta, dA, ddt
 
 
-__all__ = ["prepare", "prepare_bwd"]
+__all__ = ["transform_inputs", "transform_inputs_bwd"]

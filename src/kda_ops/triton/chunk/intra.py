@@ -1,6 +1,6 @@
 """Stage 2: the chunk's interaction matrices, and its decayed queries and keys.
 
-Per chunk and value head (``backward.md``, "The chunk, in rows")::
+Per chunk and value head (``docs/math.md``, "The chunkwise form")::
 
     Mqk[i, j] = s      sum_d q_id k_jd exp(Gam_id - Gam_jd)    j <= i
     Mkk[i, j] = beta_i sum_d k_id k_jd exp(Gam_id - Gam_jd)    j <  i
@@ -10,14 +10,14 @@ No factor ``exp(-Gam)`` over the chunk ever appears (it overflows beyond a span 
 one of two paths, chosen from the tile's decays on the device:
 
 - **anchored** (the usual case: every half chunk spans at most
-  :data:`~kda_ops.triton.chunk_common.ANCHOR_SPAN` nats, i.e. gates up to ~2.5 nats per token): with
+  :data:`~kda_ops.triton.chunk.tiles.ANCHOR_SPAN` nats, i.e. gates up to ~2.5 nats per token): with
   ``E_i = Gam_i - Gam_31``, ``Mqk = (s q e^{E}) (k e^{-E})^T``, one tensor-core product ``[BT, BK] x [BK, BT]``.
   Both factors stay within ``e^{+-80}``; a valid entry (``j <= i``) is a product of two such factors equal to a
   decay ``<= 1``; a future entry may overflow and is dropped by the mask.
 - **block** (stronger decays): per 16-row block ``I`` and earlier block ``J``, the factors
   ``(q_i e^{w_i}) (k_j e^{s_j} e^{R_IJ})`` (``R_IJ``: the blocks strictly between) are both ``<= 1``; the diagonal
   block is ``(q_i e^{w_i}) (k_j e^{-w_j})`` while the block spans at most
-  :data:`~kda_ops.triton.chunk_common.FACTOR_SPAN` nats, else (a hard reset) pairwise, ``exp`` of exact segment
+  :data:`~kda_ops.triton.chunk.tiles.FACTOR_SPAN` nats, else (a hard reset) pairwise, ``exp`` of exact segment
   sums. Each row block is one batched product ``[BC, BK] x [BK, BT]``.
 
 The causal masks apply after the products, always.
@@ -78,7 +78,7 @@ def intra_tile(qs3, k3, g3, P, Ks, w, bs, NB: tl.constexpr, BC: tl.constexpr, BT
     """One key tile's row blocks ``Mqk3, Mkk3 [NB, BC, BT]`` by the block path (unmasked, without beta).
 
     ``qs3 = s q``, ``k3``, ``g3``: the tile as ``[NB, BC, BK]``; ``P = exp(w)``, ``Ks = k exp(s)`` and ``w, bs``
-    from :func:`~kda_ops.triton.chunk_cumsum.block_decays`.
+    from :func:`~kda_ops.triton.chunk.decays.block_decays`.
     """
     blk = tl.arange(0, NB)
     I3 = blk[:, None, None]
@@ -153,10 +153,10 @@ def key_tile(q, k, g, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c, i_h, i_hv, 
              i_k, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
              HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, DT: tl.constexpr, ANCHORED: tl.constexpr):
     """Load key tile ``i_k`` of the chunk and store its ``Qt``, ``Kend``, ``Kt = k exp(Gam)`` (the operand of ``W``,
-    :func:`~kda_ops.triton.chunk_solve.wy_stored`) and ``Gam_last``.
+    :func:`~kda_ops.triton.chunk.solve.wy_stored`) and ``Gam_last``.
 
     Returns ``s q``, ``k`` (l2-normalised when asked), ``g`` (after the gate) and ``E = Gam - Gam_mid``, ``[BT, BK]``.
-    ``ANCHORED``: the decays of the anchored path (:func:`~kda_ops.triton.chunk_cumsum.anchored_decays`, exact only
+    ``ANCHORED``: the decays of the anchored path (:func:`~kda_ops.triton.chunk.decays.anchored_decays`, exact only
     where it keeps the chunk), else of the block path.
     """
     xq, xk, xg = key_loads(q, k, g, tok, m, i_h, i_hv, H, HV, i_k, K, BK)
@@ -172,8 +172,8 @@ def key_compute(xq, xk, xg, Sums, A_log, dt_bias, Qt, Kend, Gl, Kt, tok, m, i_c,
                 HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, DT: tl.constexpr,
                 ANCHORED: tl.constexpr, GIVEN_SUMS: tl.constexpr):
     """:func:`key_tile` from the tiles as :func:`key_loads` loaded them. ``GIVEN_SUMS`` (anchored only): the tile's
-    :func:`~kda_ops.triton.chunk_cumsum.anchor_sums` are read from ``Sums [NC, HV, 3, K]``
-    (:func:`~kda_ops.triton.chunk_cumsum.chunk_anchor_sums`) rather than reduced here."""
+    :func:`~kda_ops.triton.chunk.decays.anchor_sums` are read from ``Sums [NC, HV, 3, K]``
+    (:func:`~kda_ops.triton.chunk.decays.chunk_anchor_sums`) rather than reduced here."""
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = col_mask(o_k, K, BK)
     qs = xq.to(DT) * rq * scale  # a tensor times scale: rq may be the constant 1.0 (fp64 exact in the interpreter)
@@ -225,7 +225,7 @@ def chunk_norms(q, k, Rqk, tok, m, i_h, H, T, K: tl.constexpr, BK: tl.constexpr,
 @triton.jit
 def given_norms(Rqk, tok, m, i_h, H, T, DT: tl.constexpr):
     """The l2norm factors of the chunk's q and k rows, ``[BT, 1]``, read from ``Rqk [2, T, H]`` (computed before the
-    kernel, ``kda_ops.triton.l2norm.l2norm_factors``)."""
+    kernel, ``kda_ops.triton.chunk.l2norm.l2norm_factors``)."""
     rq = row_factors(Rqk, tok, m, i_h, H, DT, True)
     rk = row_factors(Rqk + T * H, tok, m, i_h, H, DT, True)
     return rq[:, None], rk[:, None]

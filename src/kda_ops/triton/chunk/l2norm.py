@@ -1,10 +1,10 @@
 """Row l2 normalisation of q and k for the chunk backward, and its gradient, in one pass each.
 
-The backward kernels take l2-normalised q and k in the compute dtype; the chain rule of the normalisation runs after
-them (``chunk_bwd_gates``). In torch ops each is a handful of full passes over ``[T, H, K]`` fp32 tensors (0.5 GB
+The chain rule of the normalisation runs after the backward kernels (:mod:`~kda_ops.triton.chunk.inputs`). In torch
+ops the normalisation and its gradient are each a handful of full passes over ``[T, H, K]`` fp32 tensors (0.5 GB
 apiece at T = 32k, H = 32, K = 128); these kernels read and write each tensor once:
 
-    y = x r,  r = 1 / sqrt(sum_d x_d^2 + eps)                       (forward, ``reference/gates.py``)
+    y = x r,  r = 1 / sqrt(sum_d x_d^2 + eps)                       (forward, ``reference/inputs.py``)
     dx = r (dy - y sum_d(y_d dy_d))                                 (its gradient)
 
 The chunk backward's kernels take ``r`` alone (:func:`l2norm_factors`, ``[rows]``) and form ``x r`` as they load

@@ -2,9 +2,9 @@
 
 ``Qt S`` reads the decayed incoming state; ``Mqk E`` adds the causal contributions of the writes made inside the
 chunk (the diagonal included: KDA reads after writing). Parallel over (chunk slot, value tile, value head) items,
-reading the states ``Hin`` and errors ``E`` the scan (:mod:`~kda_ops.triton.chunk_state`) stored. The stage only
+reading the states ``Hin`` and errors ``E`` the scan (:mod:`~kda_ops.triton.chunk.scan`) stored. The stage only
 moves memory (72 KB in, 16 KB out per item at K = V = 128 in bf16), so where the tiles are 16-bit a program per SM
-walks the items with the next ones' loads in flight (``LAUNCH["output"]`` in :mod:`~kda_ops.triton.chunk_common`);
+walks the items with the next ones' loads in flight (``LAUNCH["output"]`` in :mod:`~kda_ops.triton.launch`);
 elsewhere a program takes one item.
 """
 
@@ -35,8 +35,9 @@ from kda_ops.triton.launch import (
 from kda_ops.varlen import SlotRows
 
 # (chunk slot, value head) pairs per SM below which the 16-bit path takes a program per item at value tile 64 rather
-# than a program per SM walking 128-wide items: at B1 T1024 H32 bf16 (4.1 pairs per SM) the forward under a CUDA
-# graph 118.3 -> 116.3 µs; from T = 2048 (8.0 pairs per SM) the per-SM loop is faster.
+# than a program per SM walking 128-wide items, since a short prompt leaves the loop little to pipeline: at B1 T1024
+# H32 bf16 (4.1 pairs per SM) the forward under a CUDA graph on an H200 118.3 -> 116.3 µs; from T = 2048 (8.0 pairs
+# per SM) the per-SM loop is the faster.
 FEW_ITEMS_PER_SM = 6
 
 

@@ -60,18 +60,12 @@ class Precision:
 
 # Defaults per input dtype. fp32 inputs promise <= 1e-4 relative error: exact fp32 products in the chunk-local stages;
 # 3xTF32 (~2e-7 per product) in the scan and the output, whose exact-fp32 form compiles for sm_90 to a CUDA-core
-# product that spills 8 KB per thread (ptxas, K = V = 128). 16-bit inputs: factors stored in bf16 (half the bytes of
-# the stages' traffic); bf16 products in the scan and the output (tensor cores at full rate, no fp32 operand tiles);
-# TF32 in the intra products, the solve and W, U (the solve's 16-row diagonal blocks ran in 3xTF32 until measured:
-# 0.13 ms of the forward, no change in any error, chunk_solve.solve_unit_lower). Measured on the H200 (triton 3.6,
-# 2026-11-29; error at B1 T1000 H32 vs the float64 oracle, stage ms at B1 T32768 H32; the alternatives are rows of
-# `python benchmarks/bench_chunk.py --precision-sweep`):
-# all-TF32 products o 2.79e-3, scan 1.581 ms, output 0.849 ms; bf16 scan o 2.79e-3, scan 0.983 ms; bf16 output
-# (value tile 64) o 3.11e-3, output 0.669 ms. The doubling solve (staged kernel): 3xTF32 steps 5.14 ms (1.4 KB of
-# spills per thread), TF32 1.42 ms, bf16 1.06 ms, each o 3.11e-3 / state 2.37e-3; the row-by-row solve it replaced
-# took 2.32 ms. Inside the fused prepare kernel a bf16 solve saved 0.08 ms of 4.45. Not taken: bf16 intra products
-# (o 3.43e-3, no time saved; 3.76e-3 fused), bf16 W, U (o 3.13e-3, state 2.89e-3), a bf16 solve (the error of
-# ill-conditioned chunks, where the inverse grows, is not measured on the GPU). fla-core: o 4.10e-3.
+# product that spills (ptxas, K = V = 128). 16-bit inputs: factors stored in bf16 (half the bytes of the stages'
+# traffic); bf16 products in the scan and the output (tensor cores at full rate, no fp32 operand tiles): the scan at
+# B1 T32768 H32 bf16 on an H200 1.581 -> 0.983 ms with the same error. TF32 in the intra products, the solve and
+# W, U: bf16 there saves no time in the intra products, raises the error in W, U, and in the solve would round an
+# inverse that grows in ill-conditioned chunks. The alternatives are rows of
+# `python benchmarks/bench_chunk.py --precision-sweep`.
 _DEFAULTS: dict[torch.dtype, Precision] = {
     torch.float64: Precision(),
     torch.float32: Precision(scan="tf32x3", output="tf32x3"),

@@ -1,31 +1,32 @@
 """Stages 1-3 fused: everything that is local to one chunk, in one program per (chunk slot, value head).
 
 The program computes the chunk's decays in registers (stage 1), ``Mqk``, ``Mkk``, ``Qt``, ``Kend`` (stage 2), then
-``Tm = (I + Mkk)^-1`` and the WY factors (stage 3), and writes only what the state scan reads: ``Mqk``, ``W``,
-``U``, ``Qt``, ``Kend`` (per token, in ``precision.store``) and ``Gam_last`` (per slot). ``Gam``, ``Mkk`` and
-``Tm`` never leave the chip (``Tm`` does, in fp32 with ``Mqk``, for the backward's recompute: ``store_tm``): at
-T = 32k, HV = 32, K = V = 128 the fused kernels move ~2.6 GB where the staged pipeline moves ~6 GB. The stage
-functions they call are those of the standalone stages, each tested against its own oracle.
+``Tm = (I + Mkk)^-1`` and the WY factors (stage 3), and writes only what the later stages read. ``Gam`` and ``Mkk``
+never leave the chip, nor does ``Tm`` in the forward: at T = 32k, HV = 32, K = V = 128 the fused kernels move
+~2.6 GB where the stages as kernels of their own would move ~6 GB. The stage functions they call
+(:mod:`~kda_ops.triton.chunk.intra`, :mod:`~kda_ops.triton.chunk.solve`) are checked stage by stage against their
+oracles through the standalone kernels of the stage tests (``tests/triton/chunk/stage_kernels.py``).
 
-The forward (without ``store_tm``) takes the *X form*: with ``Tb = Tm diag(beta)``, ``E = U - W S = Tb X`` for
+The forward (:func:`chunk_prepare`) takes the *X form*: with ``Tb = Tm diag(beta)``, ``E = U - W S = Tb X`` for
 ``X = V - Kt S``, so the kernel stores ``Mqk Tb`` and ``Kb = Tb^T Kend`` in place of ``Mqk`` and ``Kend``, keeps
 ``Kt`` for the scan and forms neither ``U`` (nor reads ``v``) nor ``W``: one 64 x 64 x 64 product from registers
-replaces two 64 x 64 x 128 products over loaded tiles. Measured on the H200 (triton 3.6, 2026-11-30, B1 T32768 H32
-bf16, one process alternating the forms): this kernel 1.994 -> 1.796 ms, the forward 3.355 -> 3.143 ms, the scan
-and the output unchanged; error vs float64 at T = 1000 o 3.01e-3 -> 2.63e-3, state 2.49e-3 -> 1.90e-3.
+replaces two 64 x 64 x 128 products over loaded tiles (against the E form, the forward at B1 T32768 H32 bf16 on an
+H200: 3.355 -> 3.143 ms). The backward's recompute (:func:`chunk_prepare_recompute`) takes the E form:
+``Mqk`` and ``Tm`` in the compute dtype, ``W``, ``U``, ``Qt``, ``Kend`` in ``precision.store``, ``Gam_last`` per
+slot.
 
-The kernels that share the work (``chunk_intra`` explains the two paths):
+The kernels that share the work (:mod:`~kda_ops.triton.chunk.intra` explains the two paths):
 
 - :func:`chunk_prepare_kernel` takes the anchored path for every key tile: one tensor-core product per tile, no
   16-row blocks, few registers. A chunk whose decays span too far for it (``|Gam - Gam_mid| > 80`` nats
   somewhere) is flagged and left alone.
-- The forward first runs :func:`~kda_ops.triton.chunk_cumsum.chunk_anchor_sums` (:data:`ANCHOR_SUMS`): the
-  anchored decays' three sums along the rows, which the anchored kernel then loads instead of reducing across its
-  warps.
-- :func:`chunk_prepare_blocks_kernel` redoes the flagged chunks by the block path: at most one program per SM
-  reads the flags :data:`FLAG_BLOCK` at a time and runs the flagged chunks in turn. When the options bound the gate
-  below ``-2.5`` nats per token (``lower_bound``), where the anchored path would often fail, it runs alone, a
-  program per chunk, and the first kernel is not launched.
+- The forward first runs :func:`~kda_ops.triton.chunk.decays.chunk_anchor_sums`: the anchored decays' three sums
+  along the rows, which the anchored kernel then loads instead of reducing across its warps.
+- :func:`chunk_prepare_blocks_kernel` redoes the flagged chunks by the block path: in the forward at most one
+  program per SM reads the flags :data:`FLAG_BLOCK` at a time and runs the flagged chunks in turn (the recompute
+  keeps a program per chunk). When the options bound the gate below ``-2.5`` nats per token (``lower_bound``),
+  where the anchored path would often fail, it runs alone, a program per chunk, and the first kernel is not
+  launched.
 
 The grid of a program per chunk is the static chunk-slot map (:func:`kda_ops.varlen.chunk_slots`): ``cdiv(T, BT)
 + N`` slots, a program whose slot holds no token returns at once (the anchored kernel first writes its flag 0).
@@ -133,10 +134,10 @@ def chunk_prepare_kernel(
     span = tl.zeros((BT,), dtype=DT)
     NK: tl.constexpr = (K + BK - 1) // BK
     # PREFETCH: the next key tile loads while this one computes (its stores come first in program order, and a load
-    # after a store that it might alias cannot be issued early; the last step reloads the last tile): without the
-    # l2norm pass (the backward's recompute, prepared fp32 q, k), forward + backward 21.85 -> 21.63 ms. After the
-    # l2norm pass q and k are L2-resident and the prefetch only costs registers: the forward at B1 T32768 H32 bf16
-    # took 3.957 ms with it, 3.887 without (H200).
+    # after a store that it might alias cannot be issued early; the last step reloads the last tile): in the
+    # backward's recompute, forward + backward at B1 T32768 H32 bf16 on an H200 21.85 -> 21.63 ms. It is off after
+    # an l2norm pass over q and k before the loop, which leaves them L2-resident: the prefetch then only costs
+    # registers.
     # GIVEN_SUMS: the decays' three sums along the rows come from chunk_anchor_sums (key_compute loads them) rather
     # than from a reduction across warps here
     xq, xk, xg = key_loads(q, k, g, tok, m, i_h, i_hv, H, HV, 0, K, BK)
@@ -213,7 +214,7 @@ def chunk_prepare_blocks_kernel(
     if CHECK_FLAG and FLAG_LOOP:
         # A few programs, each reading the flags of its blocks of FB items (item i: slot i // HV, value head i % HV)
         # at once and running the flagged ones in turn. With no chunk flagged that is one vector load per block,
-        # where a program per item (255 registers, 8 warps: one program per SM at a time) cost ~45 us at T = 32k.
+        # where a program per item (255 registers, 8 warps: one program per SM at a time) costs ~45 µs at T = 32k.
         lanes = tl.arange(0, FB)
         for b in range(tl.program_id(0) * FB, NI, tl.num_programs(0) * FB):
             f = tl.load(Flag + b + lanes, mask=b + lanes < NI, other=0)
@@ -249,25 +250,6 @@ def anchored_path_usable(opts: Options) -> bool:
     diagonal blocks, 16 x 5 = 80 nats). Decided from the options, never from data."""
     lb = opts.lower_bound if opts.use_gate else None
     return lb is None or abs(lb) * (BT // 2) <= ANCHOR_SPAN
-
-
-# The anchored kernel folds the l2norm into its key loop (FOLD_NORMS): the products and tiles are formed from raw
-# q, k and the factors applied after the loop (``Mqk``, ``Mkk``, ``W``) or by the consumers (``Qt`` by the output
-# stage, ``Kend`` by the scan), which saves the pass that loads q and k once more before the loop; with no such pass
-# the next key tile loads a step ahead, as in the backward's recompute. Measured on the H200 (triton 3.6, 2026-11-29,
-# B1 H32 bf16, two alternating processes each): forward at T = 32768 3.636 / 3.639 -> 3.568 / 3.568 ms (stages 1-3
-# 2.364 -> 2.208), prefill at T = 1024 under a graph 139.4 / 139.5 -> 134.1 / 134.4 us, forward + backward 20.30 ->
-# 20.23 ms; folded without the prefetch 3.768 / 3.766 ms.
-FOLD_NORMS = True
-
-# The forward's anchored kernel reads each key tile's three sums along the rows (``g_0``, ``P_last``, ``P_mid``) from
-# :func:`~kda_ops.triton.chunk_cumsum.chunk_anchor_sums`, a pass of its own over ``g``, instead of reducing across
-# its warps (a third of that kernel's Nsight Compute samples on the H200). Measured there (triton 3.6, 2026-11-30,
-# B1 H32 bf16, one process alternating): forward at T = 32768 3.126 / 3.140 -> 3.048 / 3.040 ms, at B8 T4096 2.846 /
-# 2.845 -> 2.768 / 2.763, the anchored kernel 1.79 -> 1.57 ms and this pass 0.14; error at T = 1000 unchanged (o
-# 2.64e-3). Loading the next tile's sums a step ahead (with the key tiles) spilled 208 B and gained nothing.
-ANCHOR_SUMS = True
-
 
 @dataclass(frozen=True)
 class XFactors:
@@ -372,13 +354,14 @@ def _prepare(
     Flag = q.new_empty(NC, HV, dtype=torch.int32)
     assert norms is None or not opts.use_qk_l2norm, "chunk_prepare: l2norm factors given and asked"
     anchored = anchored_path_usable(opts)
-    fold = FOLD_NORMS and anchored and opts.use_qk_l2norm
+    # The anchored kernel folds the l2norm into its key loop: the products and tiles are formed from raw q, k and the
+    # factors applied after the loop (``Mqk``, ``Mkk``, ``Kb``) or by the consumers (``Qt`` by the output stage,
+    # ``Kt`` by the scan), which saves the pass that loads q and k once more before the loop; with no such pass the
+    # next key tile loads a step ahead (the forward at B1 T32768 H32 bf16 on an H200: 3.636 -> 3.568 ms).
+    fold = anchored and opts.use_qk_l2norm
     # The l2norm factors as [2, HV, T], each head's rows contiguous, not [2, T, HV]: every program stores (and the
-    # scan and the output stage load) its 64 rows' factors as one run rather than 64 values 4 * HV bytes apart.
-    # Measured on the H200 (triton 3.6, 2026-11-30, B1 T32768 H32 bf16, fresh processes alternating with the tree
-    # before, two rounds): forward 3.005 / 3.019 and 3.017 / 3.005 -> 2.895 / 2.894 and 2.898 / 2.896 ms; stages 1-3
-    # 1.711 -> 1.634, scan 0.862 -> 0.848, output 0.438 -> 0.422; B8 T4096 2.736 -> 2.652; error at T = 1000
-    # unchanged (o 2.64e-3, state 1.96e-3).
+    # scan and the output stage load) its 64 rows' factors as one run rather than 64 values 4 * HV bytes apart. The
+    # forward at B1 T32768 H32 bf16 on an H200: 3.005 -> 2.895 ms.
     Nrm = q.new_empty(2, HV, T, dtype=state_dtype(v)) if fold else None
     poison(Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm)
     # the two kernels' runtime arguments: these, with the anchor sums between them for the anchored kernel
@@ -396,8 +379,10 @@ def _prepare(
     )  # fmt: skip
     if anchored:
         prefetch = not opts.use_qk_l2norm or fold
-        # the forward reads the decays' sums along the rows from a pass of their own (ANCHOR_SUMS)
-        sums = chunk_anchor_sums(contiguous(g), slots, A_log, dt_bias, opts) if ANCHOR_SUMS and not store_tm else None
+        # The forward reads each key tile's three sums along the rows (``g_0``, ``P_last``, ``P_mid``) from a pass of
+        # their own over ``g`` instead of reducing across the kernel's warps, its largest cost (the forward at B1
+        # T32768 H32 bf16 on an H200: 3.126 -> 3.048 ms); the backward's recompute reduces them in the kernel.
+        sums = None if store_tm else chunk_anchor_sums(contiguous(g), slots, A_log, dt_bias, opts)
         _launch_prepare((NC, HV), (*head, sums, *tail),
                         dict(meta, ASPAN=ANCHOR_SPAN, FOLD=fold, PREFETCH=prefetch, GIVEN_SUMS=sums is not None,
                              **launch("prepare", BK=K, BV=V)))  # fmt: skip

@@ -3,14 +3,13 @@
 The forward op saves only its inputs (``docs/architecture.md``, "Chunk backward: what is saved"); the backward
 reruns the forward's kernels, keeping what the gradient stages read::
 
-    Mqk, Qt, Kend, Gam_last, Tm, W, U   (chunk_prepare with store_tm: stages 1-3 fused, as in the forward)
-    Hin, E                              (chunk_state: the state entering each chunk, the errors)
+    Mqk, Qt, Kend, Gam_last, Tm, W, U   (chunk_prepare_recompute: stages 1-3 fused, as in the forward)
+    Hin, E                              (the scan: the state entering each chunk, the errors)
 
-The fused kernel replaced the staged ``chunk_intra`` (two passes) and ``chunk_solve`` here: 1.62 + 1.70 ms at
-B1 T32768 H32 bf16 on the H200 (2026-11-29), against ~2.9 ms for the fused kernel with ``Tm`` stored (it never
-writes ``Mkk``).
+One fused kernel, which never writes ``Mkk``, forms the first line: ~2.9 ms at B1 T32768 H32 bf16 on an H200 with
+``Tm`` stored, against 1.62 + 1.70 ms for the intra stage and the solve as kernels of their own.
 
-The inputs are prepared in torch (:mod:`~kda_ops.triton.chunk_bwd_gates`), so the stages run without in-kernel
+The inputs are prepared in torch (:mod:`~kda_ops.triton.chunk.inputs`), so the stages run without in-kernel
 options. ``Tm``, ``Mqk`` and ``Gam_last`` are stored in the compute dtype (fp32): the gradients chain several
 products of them; ``W``, ``Qt``, ``Kend``, ``Hin`` and ``E`` in :func:`recompute_precision`'s storage dtype (bf16 for
 bf16 inputs).
@@ -57,13 +56,7 @@ def recompute_precision(dtype: torch.dtype) -> Precision:
     inputs: the forward's own choice (bf16 factors, bf16 products in the scan, TF32 elsewhere), with fp32 factors for
     fp16 inputs, whose 11 bits bf16 factors would not keep (the interpreter test of the fp16 backward measured dq
     3.75e-3 with them against its 2e-3 bound). The exact fp32 solve of fp32 inputs compiles for sm_90 to CUDA-core
-    products that spill ~2.8 KB per thread (ptxas, K = V = 128): fp32 inputs trade that time for their 1e-4 bound.
-
-    Measured on the H200 (triton 3.6, 2026-11-29; B1 H32 bf16, forward + backward at T = 32768, gradient error at T =
-    1000 vs the float64 oracle): fp32 factors with TF32 products everywhere 39.4 ms, 11.03 GB, dq 1.83e-3, dk 1.97e-3,
-    dv 2.01e-3, dg 1.07e-3, dbeta 2.22e-3; bf16 scan products 37.7 ms with the same errors; bf16 factors 36.3 ms, 10.23
-    GB, dq 2.42e-3, dk 2.45e-3, dv 2.45e-3, dg 1.79e-3, dbeta 2.47e-3 (each change alone, before the anchored pass of
-    the dq/dk stage)."""
+    products that spill (ptxas, K = V = 128): fp32 inputs trade that time for their 1e-4 bound."""
     if dtype == torch.float64:
         return Precision(store=torch.float64)
     if dtype == torch.float32:
@@ -91,9 +84,13 @@ def chunk_bwd_recompute(
     """Prepared ``q, k [T, H, K]``, ``v [T, HV, V]``, log decay ``g [T, HV, K]``, ``beta [T, HV]``; ``h0`` in the
     compute dtype or None; ``cu`` the sanitized flat ``cu_seqlens`` and ``slots`` its chunk map; ``norms [2, T, H]``
     the l2norm factors of q and k (raw then) or None. Writes the final state into ``final`` when given (the
-    training forward, :func:`~kda_ops.triton.chunk_bwd.chunk_fwd_train`)."""
-    f = chunk_prepare_recompute(q, k, v, g, beta, scale, slots, precision, norms=norms)
-    Hin, E = chunk_state(f.W, f.U, f.Kend, f.Gl, h0, cu, precision, final=final, offsets=offsets)
+    training forward, :func:`~kda_ops.triton.chunk.forward.chunk_fwd_train`)."""
+    f = chunk_prepare_recompute(
+        q=q, k=k, v=v, g=g, beta=beta, scale=scale, slots=slots, precision=precision, norms=norms
+    )
+    Hin, E = chunk_state(
+        W=f.W, U=f.U, Kend=f.Kend, Gl=f.Gl, h0=h0, cu=cu, precision=precision, final=final, offsets=offsets
+    )
     return Recomputed(f.Mqk, f.Qt, f.Kend, f.Gl, f.Tm, f.W, Hin, E)
 
 

@@ -13,11 +13,11 @@ or, in the forward's X form (``E = Tb X``, with ``Tb`` folded into ``Kb = Tb^T K
 The sequence's bounds come from ``cu_seqlens`` on the device and its chunks are slots ``chunk_off[n] ..`` of the
 chunk-slot map, so the grid is ``N * HV * cdiv(V, BV)`` programs whatever the lengths: one CUDA graph serves every
 ``cu_seqlens`` of one size. The scan stores the state entering each chunk (``Hin [NC, HV, K, V]``) and ``E`` for
-the output stage (:mod:`~kda_ops.triton.chunk_output`) and the backward.
+the output stage (:mod:`~kda_ops.triton.chunk.output`) and the backward.
 
-The outputs were once computed here too (stage 5 fused into the scan, no ``Hin`` through memory). That form was
-slower (B1 T32768 H32 bf16 on the H200, 2026-11-29: 1.51 ms against 0.84 + 0.49 for the scan and the output stage
-apart) and, on 2026-11-30 (triton 3.6), faulted with an illegal memory access at T = 1000 and 1024; it was removed.
+The outputs are a stage of their own, parallel over chunks, although computing them here would keep ``Hin`` out of
+memory: on the scan's sequential path they cost more than they save (at B1 T32768 H32 bf16 on an H200, 1.51 ms
+fused against 0.84 + 0.49 for the scan and the output stage apart).
 
 Value tiles: the programs are independent across ``V``, so ``BV`` trades parallelism (``N * HV * V / BV`` programs
 for the machine's SMs) against re-reading ``W`` and ``Kend`` once per tile (from L2).
@@ -74,9 +74,9 @@ def scan_block_v(V: int, programs: int, device: torch.device) -> int:
     return choices[-1]
 
 
-# K = V = 128, BV = 32 (ptxas, sm_90): 4 warps 152 registers, 8 warps 126, no spills. One stage only: with two
-# stages of cp.async prefetch, triton 3.6 on the H200 faults with "out-of-range shared address" in the scan's dot
-# at K = 128 (compute-sanitizer memcheck). The launch is fixed (``launch.LAUNCH["scan"]``).
+# The launch is fixed (``launch.LAUNCH["scan"]``): no spills at K = V = 128, BV = 32 (ptxas, sm_90), and one stage
+# only: with two stages of cp.async prefetch, triton 3.6 on the H200 faults with "out-of-range shared address" in
+# the scan's dot at K = 128 (compute-sanitizer memcheck).
 
 
 @triton.jit
@@ -91,7 +91,8 @@ def scan_tiles(W, U, Kend, Gl, Nk, tok, eos, c0, j, n_chunks, i_hv, HV, T, o_k, 
     ke = tile2(Kend + i_hv * K, tok, m, HV * K, o_k, m_k)
     # chunk-count conditions as [BK] tensors: triton 3.9's interpreter rejects a mask of tensor & scalar
     gl = tl.load(Gl + ((c0 + j) * HV + i_hv) * K + o_k, mask=m_k & (o_k * 0 + j < n_chunks), other=0.0).to(DT)
-    # NORMS: Kend was stored without the l2norm factors of its rows (chunk_prepare's FOLD_NORMS)
+    # NORMS: the l2norm factors of the rows that were stored without them (the prepare kernel folds the l2norm into
+    # its key loop): those of Kt (in W) in the X form, of Kend otherwise
     nk = head_factors(Nk, tok, m, i_hv, T, DT, NORMS)
     return w, u, ke, gl, nk
 
@@ -127,8 +128,8 @@ def chunk_state_kernel(
     else:
         S = tl.zeros((BK, BV), dtype=DT)
     n_chunks = tl.cdiv(eos - bos, BT).to(tl.int32)
-    # The next chunk's tiles load while this chunk's products run (registers, no compiler pipelining). Two chunks
-    # ahead was slower: scan 0.842 -> 0.988 ms at B1 T32768 H32 bf16 (H200, 246 registers against 214).
+    # The next chunk's tiles load while this chunk's products run (registers, no compiler pipelining); not two chunks
+    # ahead, which takes more registers: the scan at B1 T32768 H32 bf16 on an H200 0.842 ms against 0.988.
     tok = bos + rows
     m = tok < eos
     w, u, ke, gl, nk = scan_tiles(W, U, Kend, Gl, Nk, tok, eos, c0, 0, n_chunks, i_hv, HV, T, o_k, m_k, o_v, m_v, K, V,
@@ -137,8 +138,8 @@ def chunk_state_kernel(
         c = c0 + j
         w_n, u_n, ke_n, gl_n, nk_n = scan_tiles(W, U, Kend, Gl, Nk, tok + BT, eos, c0, j + 1, n_chunks, i_hv, HV, T,
                                                 o_k, m_k, o_v, m_v, K, V, BT, DT, NORMS)  # fmt: skip
-        # the state's store first, U as stored until its use: scan 0.886 -> 0.862 ms, forward 3.034 -> 3.005 / 3.019
-        # ms (B1 T32768 H32 bf16, H200, triton 3.6, 2026-11-30, fresh processes alternating with the tree before)
+        # the state's store first, U as stored until its use: the scan at B1 T32768 H32 bf16 on an H200 0.886 ->
+        # 0.862 ms
         tl.store(Hin + (c * HV + i_hv) * K * V + p_s, S.to(Hin.dtype.element_ty), mask=m_s)
         if X_FORM:  # X = V - diag(nk) Kt S;  S' = exp(Gam_last) S + Kb^T X
             Ec = u.to(DT) - scale_rows(mm(w, S, PREC_SCAN, DT), nk, NORMS)
@@ -157,7 +158,8 @@ def chunk_state_kernel(
 
 
 def chunk_offsets(cu: Tensor) -> Tensor:
-    """First chunk slot of each sequence, ``[N]`` int64 (``chunk_map(...).offset`` when the map is at hand)."""
+    """First chunk slot of each sequence, ``[N]`` int64 (``kda_ops.varlen.chunk_map(...).offset`` when the map is at
+    hand)."""
     chunks, ends = sequence_chunks(cu, BT)
     return ends - chunks
 
@@ -183,10 +185,11 @@ def chunk_state(
     ``(Hin [NC, HV, K, V], E [T, HV, V])``, in ``precision.store`` (half the traffic of the compute dtype for the
     output stage and the backward, which reads them twice). ``offsets``: each sequence's first chunk slot
     (:func:`chunk_offsets` of ``cu`` when not given).
-    ``norms [2, HV, T]``: the l2norm factors of the rows of ``Qt`` and ``Kend`` when they were stored without them
-    (:func:`~kda_ops.triton.chunk_prepare.chunk_prepare`); the scan reads ``norms[1]``.
+    ``norms [2, HV, T]``: the l2norm factors of q's and k's rows when the factors were stored without them
+    (:func:`~kda_ops.triton.chunk.prepare.chunk_prepare`); the scan reads ``norms[1]``, k's.
 
-    ``x_form`` (the factors of ``chunk_prepare`` without ``store_tm``): ``W`` holds ``Kt``, ``U`` the values ``v``,
+    ``x_form`` (the factors of :func:`~kda_ops.triton.chunk.prepare.chunk_prepare`; without it those of
+    :func:`~kda_ops.triton.chunk.prepare.chunk_prepare_recompute`): ``W`` holds ``Kt``, ``U`` the values ``v``,
     ``Kend`` holds ``Kb = Tb^T Kend``; the scan carries ``X = V - Kt S`` (``norms[1]`` applied to the rows of
     ``Kt S``) and ``S' = exp(Gam_last) S + Kb^T X``, and returns ``X`` where it returns ``E`` otherwise
     (``E = Tb X``).

@@ -1,7 +1,7 @@
 """Backward stage 2: the reverse state-gradient scan, the only sequential part of the chunk backward.
 
 One program per (sequence, value head, value tile) holds ``dS [K, BV]`` (fp32) and walks the sequence's chunks
-backwards from the final-state gradient (``backward.md``, "The chunk, in rows")::
+backwards from the final-state gradient (``docs/math.md``, "Chunk backward")::
 
     dS' = dS                                       gradient of the state leaving the chunk (stored per slot)
     dE  = Kend dS' + Mqk^T dO                      gradient of the resolved errors         [BT, BV] (stored)
@@ -9,7 +9,7 @@ backwards from the final-state gradient (``backward.md``, "The chunk, in rows"):
 
 After the first chunk ``dS`` is the gradient of the initial state (an empty sequence passes ``dht`` through). The
 grid is ``(cdiv(V, BV), N * HV)``: bounds from ``cu_seqlens`` on the device, the same slot numbering as the
-forward's scan (:func:`~kda_ops.triton.chunk_state.chunk_offsets`), so nothing depends on values on the host.
+forward's scan (:func:`~kda_ops.triton.chunk.scan.chunk_offsets`), so nothing depends on values on the host.
 """
 
 from __future__ import annotations
@@ -67,9 +67,9 @@ def chunk_bwd_scan_kernel(
     else:
         dS = tl.zeros((BK, BV), dtype=DT)
     nc = tl.cdiv(eos - bos, BT).to(tl.int32)
-    # each chunk's tiles load together (stored dtypes) before the step's stores: before, the second half's loads
-    # waited for the store of dE (which they might alias), a second memory round trip per step. Loading the
-    # previous chunk's tiles ahead, as the forward's scan does, spills 528 B per thread (ptxas, sm_90).
+    # each chunk's tiles load together (stored dtypes) before the step's stores: a load after the store of dE, which
+    # it might alias, would wait for it, a second memory round trip per step. Unlike the forward's scan, no step loads
+    # the previous chunk's tiles ahead: that spills 528 B per thread (ptxas, sm_90).
     for jj in range(nc):
         j = nc - 1 - jj
         c = c0 + j
@@ -108,11 +108,8 @@ def chunk_bwd_scan(
 
     ``dS'`` is stored once per chunk and read by the dq/dk stage, never carried: the scan's own ``dS`` stays in
     fp32 registers, so a 16-bit ``dsp_dtype`` rounds each stored state once, with no compounding over chunks (the
-    forward stores its per-chunk states likewise). Measured on the H200 (triton 3.6, 2026-11-29, B1 H32 bf16;
-    forward + backward at T = 32768, gradient error at T = 1000 vs the float64 oracle): bf16 ``dS'`` 21.54 ms,
-    4.85 GB, dk 2.88e-3, dg 2.33e-3, against fp32 21.67 ms, 5.39 GB, dk 2.40e-3, dg 1.83e-3 (dq, dv, dbeta
-    unchanged; fla-core 0.6.0: dk 3.27e-3, dg 3.23e-3). Not taken: ``dE`` in bf16 as well, 21.75 ms with dv 2.85e-3
-    and dbeta 3.27e-3 (it feeds the 3xTF32 products through ``Tm``).
+    forward stores its per-chunk states likewise): the peak memory of forward + backward at B1 T32768 H32 bf16 on
+    an H200 5.39 -> 4.85 GB. ``dE`` stays in the compute dtype: it feeds the 3xTF32 products through ``Tm``.
     """
     T, HV, K = W.shape
     V = dO.shape[2]

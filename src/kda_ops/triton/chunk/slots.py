@@ -2,8 +2,8 @@
 :func:`kda_ops.varlen.chunk_map`.
 
 A dense batch ``[B, T]`` has a map that depends on ``B`` and ``T`` alone (``varlen._dense_map``'s formulas), which
-:func:`kda_ops.varlen.chunk_map` builds in 11 torch ops, each a launch on an eager call's path (the H200 host:
-87-91 µs for the map of a B1 T1024 call, 2026-11-29). Here one kernel fills one int64 buffer (one allocation, one
+:func:`kda_ops.varlen.chunk_map` builds in 11 torch ops, each a launch on an eager call's path (87-91 µs of host time
+for the map of a B1 T1024 call on the H200's host). Here one kernel fills one int64 buffer (one allocation, one
 launch) and the map's four tensors are views of it. It is built per call: a map cached across calls and made
 during a ``reduce-overhead`` warm-up would live in the CUDA-graph tree's memory pool, which the tree reclaims.
 """
@@ -38,7 +38,7 @@ def dense_map_kernel(buf, B, T, NC, nch, C: tl.constexpr, BLOCK: tl.constexpr, P
 
 
 def slot_map(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.device) -> ChunkMap:
-    """The chunk map (chunks of :data:`~kda_ops.triton.chunk_common.BT` tokens) of a batch ``[B, T]`` or of
+    """The chunk map (chunks of :data:`~kda_ops.triton.chunk.tiles.BT` tokens) of a batch ``[B, T]`` or of
     ``cu_seqlens`` over ``B * T`` tokens: equal to :func:`kda_ops.varlen.chunk_map` (``tests/test_varlen.py``)."""
     if cu_seqlens is not None or B * T == 0:
         return chunk_map(cu_seqlens, B, T, BT, device)

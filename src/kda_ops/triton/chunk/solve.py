@@ -1,15 +1,15 @@
 """Stage 3: the solve ``Tm = (I + Mkk)^-1`` and the WY factors ``W = Tm diag(beta) Kt``, ``U = Tm diag(beta) V``.
 
 ``Mkk`` is strictly lower triangular, so ``I + Mkk`` is unit lower triangular and its inverse comes from block
-substitution, the error hot spot of the chunk (``backward.md``). It runs in the compute dtype (fp32) with the
-solved block size doubled at each step: with ``T`` the inverse on blocks of ``B`` rows and ``C`` the lower-left
-``B x B`` part of each ``2B``-block, ``T - T C T`` is the inverse on blocks of ``2B`` rows. Six steps from the
-identity (1 -> 64 rows), two tensor-core products each; the first four on the diagonal 16x16 blocks at once. Each
-step computes entries of the inverse itself (no power series, no cancellation between large terms).
+substitution, the error hot spot of the chunk (``docs/math.md``, "Numerical traps"). It runs in the compute dtype
+(fp32) with the solved block size doubled at each step: with ``T`` the inverse on blocks of ``B`` rows and ``C`` the
+lower-left ``B x B`` part of each ``2B``-block, ``T - T C T`` is the inverse on blocks of ``2B`` rows. Six steps from
+the identity (1 -> 64 rows), two tensor-core products each; the first four on the diagonal 16x16 blocks at once.
+Each step computes entries of the inverse itself (no power series, no cancellation between large terms).
 
-``W = Tm diag(beta) Kt`` comes from ``Kt_i = k_i exp(Gam_i)`` as the intra stage (or the fused prepare kernel's key
-tiles) stored it, in ``precision.store`` (``|Kt_i| <= |k_i|``): no second pass over ``k`` and ``g`` recomputing
-the decays. ``W`` and ``U`` are stored in ``precision.store``.
+``W = Tm diag(beta) Kt`` comes from ``Kt_i = k_i exp(Gam_i)`` as the fused prepare kernel's key tiles stored it, in
+``precision.store`` (``|Kt_i| <= |k_i|``): no second pass over ``k`` and ``g`` recomputing the decays. ``W`` and
+``U`` are stored in ``precision.store``.
 """
 
 from __future__ import annotations
@@ -49,9 +49,8 @@ def solve_unit_lower(N2, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, P
     r3 = tl.arange(0, BC)[None, :, None]
     c3 = tl.arange(0, BC)[None, None, :]
     Td = tl.where(r3 == c3, 1.0, 0.0) + tl.zeros((NB, BC, BC), dtype=DT)
-    # The diagonal blocks' steps run at the solve's precision. In 3xTF32 rather than TF32 (bf16 inputs) they cost
-    # 0.13 ms of the forward at B1 T32768 H32 (3.582 -> 3.449 ms, H200) for no change in the error at T = 1000
-    # (o 3.01e-3, state 2.50e-3, every gradient the same to three digits).
+    # The diagonal blocks' steps run at the solve's precision (TF32 for bf16 inputs): 3xTF32 there changes no error
+    # and costs the forward at B1 T32768 H32 bf16 on an H200 3.449 -> 3.582 ms.
     for lvl in tl.static_range(LOG2_BC):
         Td = merge_halves(Td, Nd, r3, c3, 1 << lvl, PREC, DT)
     T2 = tl.reshape(tl.where(on_diag4, Td[:, :, None, :], 0.0), (BT, BT))
@@ -66,8 +65,9 @@ def solve_unit_lower(N2, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, P
 def wy_stored(Tb, v, W, U, tok, m, i_hv, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
               PREC: tl.constexpr, DT: tl.constexpr, nk, FOLD: tl.constexpr):
     """``W = Tb Kt`` and ``U = Tb V`` for ``Tb = Tm diag(beta) [BT, BT]``, where ``W`` holds ``Kt = k exp(Gam)`` of
-    the chunk's rows on entry (stored by the key tiles in ``W``'s dtype: by this program's in the fused prepare
-    kernel, by the intra stage's otherwise): no second pass over ``k`` and ``g``. Each tile of ``W`` is read, then
+    the chunk's rows on entry (stored in ``W``'s dtype by this program's key tiles in the fused prepare kernel; in
+    the stage tests, by the standalone intra kernel of ``tests/triton/chunk/stage_kernels.py``): no second pass over
+    ``k`` and ``g``. Each tile of ``W`` is read, then
     overwritten by the same program. ``FOLD``: the stored ``Kt`` rows are not yet l2-normalised; ``nk [BT]`` are
     their factors."""
     # Each tile is loaded one step ahead, before the store of the tile before it: a load after a store that it
@@ -103,8 +103,8 @@ def kb_stored(Tb, Kend, tok, m, i_hv, HV, K: tl.constexpr, BK: tl.constexpr, PRE
               nk, FOLD: tl.constexpr):
     """``Kb = Tb^T diag(nk) Kend`` over ``Kend``'s tiles, in place: ``Kend`` holds the chunk's rows of
     ``k exp(Gam_last - Gam)`` on entry (stored by this program's key tiles; without their l2norm factors ``nk``
-    when ``FOLD``). The scan's state update ``Kend^T E = Kend^T Tb X = Kb^T X`` then reads it (the "X form",
-    :func:`~kda_ops.triton.chunk_prepare.chunk_prepare` without ``store_tm``)."""
+    when ``FOLD``). The scan's state update ``Kend^T E = Kend^T Tb X = Kb^T X`` then reads it (the "X form" of
+    :func:`~kda_ops.triton.chunk.prepare.chunk_prepare`)."""
     NK: tl.constexpr = (K + BK - 1) // BK
     TbT = tl.trans(Tb)
     tl.debug_barrier()  # every thread's Kend stores before any thread's loads
@@ -125,8 +125,8 @@ def solve_wy(Mkk2, beta2, v, W, U, Tm, tok, m, i_hv, HV, K: tl.constexpr, V: tl.
              BV: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, PREC_SOLVE: tl.constexpr,
              PREC_WY: tl.constexpr, DT: tl.constexpr, STORE_TM: tl.constexpr, nk, FOLD: tl.constexpr):
     """Stage 3 of one chunk from ``Mkk [BT, BT]`` (masked, beta applied) and ``beta [BT]``: ``Tm = (I + Mkk)^-1``
-    (stored when ``STORE_TM``), then ``W`` and ``U`` (:func:`wy_stored`). The staged kernel and the fused prepare
-    kernels both end with it."""
+    (stored when ``STORE_TM``), then ``W`` and ``U`` (:func:`wy_stored`). The fused prepare kernels end with it in
+    the backward's recompute (and the stage tests' standalone solve kernel)."""
     T2 = solve_unit_lower(Mkk2, NB, BC, BT, PREC_SOLVE, DT)
     if STORE_TM:
         cols = tl.arange(0, BT)

@@ -55,7 +55,8 @@ def row_factors(N, tok, m, col, stride, DT: tl.constexpr, ON: tl.constexpr):
 @triton.jit
 def head_factors(N, tok, m, i_hv, T, DT: tl.constexpr, ON: tl.constexpr):
     """:func:`row_factors` of value head ``i_hv`` from a ``[HV, T]`` table, each head's rows contiguous: the l2norm
-    factors the prepare kernel stores (``chunk_prepare.store_norms``) and the scan and the output stage load."""
+    factors the prepare kernel stores (:func:`~kda_ops.triton.chunk.prepare.store_norms`) and the scan and the output
+    stage load."""
     return row_factors(N, tok, m, i_hv.to(tl.int64) * T, 1, DT, ON)
 
 
