@@ -5,26 +5,18 @@
 The backward kernels work on *prepared* tensors (the log decay g and the transformed beta in the compute dtype; q
 and k as given, with the factors of their l2norm, which the kernels apply as they load them), so one set of kernels
 serves every option. These are elementwise and row-wise torch ops on
-the device: no host synchronisation, shapes from the inputs only. (``kda_ops.reference.inputs`` holds the same
-math for the oracle; ``kda_ops.triton`` never imports the reference, so it is written out here.)
+the device: no host synchronisation, shapes from the inputs only; the gate and beta formulas are those of
+:mod:`kda_ops.transforms`, which the reference applies too.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from kda_ops.common import Options
+from kda_ops.transforms import beta_transform, beta_transform_bwd, gate, gate_bwd
 from kda_ops.triton.chunk.l2norm import l2norm_bwd, l2norm_factors
-
-
-def _gate_args(x: Tensor, A_log: Tensor | None, dt_bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """``z0 = x + dt_bias`` (dt_bias ``[HV*K]`` as ``[HV, K]``) and ``exp(A_log)`` as ``[HV, 1]``."""
-    HV, K = x.shape[-2], x.shape[-1]
-    z0 = x if dt_bias is None else x + dt_bias.to(x.dtype).view(HV, K)
-    a = None if A_log is None else A_log.to(x.dtype).exp().view(HV, 1)
-    return z0, a
 
 
 def transform_inputs(
@@ -43,17 +35,8 @@ def transform_inputs(
         norms = torch.stack((l2norm_factors(q, dtype), l2norm_factors(k, dtype)))
     g, beta = g.to(dtype), beta.to(dtype)
     if opts.use_gate:
-        z0, a = _gate_args(g, A_log, dt_bias)
-        if opts.lower_bound is None:
-            assert a is not None, "the softplus gate needs A_log"
-            g = -a * F.softplus(z0)
-        else:
-            g = opts.lower_bound * torch.sigmoid(z0 if a is None else a * z0)
-    if opts.use_beta_sigmoid:
-        beta = torch.sigmoid(beta)
-    if opts.allow_neg_eigval:
-        beta = beta * 2
-    return q, k, g, beta, norms
+        g = gate(g, A_log, dt_bias, opts.lower_bound)
+    return q, k, g, beta_transform(beta, opts.use_beta_sigmoid, opts.allow_neg_eigval), norms
 
 
 def transform_inputs_bwd(
@@ -71,29 +54,8 @@ def transform_inputs_bwd(
     dA: Tensor | None = None
     ddt: Tensor | None = None
     if opts.use_gate:
-        x = g.to(dtype)
-        z0, a = _gate_args(x, A_log, dt_bias)
-        red = tuple(range(x.dim() - 2))
-        if opts.lower_bound is None:
-            assert a is not None
-            dx = -a * torch.sigmoid(z0) * dg
-            if A_log is not None:
-                dA = (dg * (-a * F.softplus(z0))).sum(red).sum(-1)
-        else:
-            z = z0 if a is None else a * z0
-            s = torch.sigmoid(z)
-            dz = opts.lower_bound * s * (1 - s) * dg
-            dx = dz if a is None else a * dz
-            if A_log is not None:
-                dA = (dz * z).sum(red).sum(-1)
-        ddt = None if dt_bias is None else dx.sum(red).reshape(-1)
-        dg = dx
-    c = 2.0 if opts.allow_neg_eigval else 1.0
-    if opts.use_beta_sigmoid:
-        s = torch.sigmoid(beta.to(dtype))
-        dbeta = c * s * (1 - s) * dbeta
-    elif opts.allow_neg_eigval:
-        dbeta = c * dbeta
+        dg, dA, ddt = gate_bwd(g.to(dtype), A_log, dt_bias, opts.lower_bound, dg)
+    dbeta = beta_transform_bwd(beta.to(dtype), opts.use_beta_sigmoid, opts.allow_neg_eigval, dbeta)
     return dq, dk, dg, dbeta, dA, ddt
 
 
