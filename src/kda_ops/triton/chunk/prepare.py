@@ -298,8 +298,9 @@ def chunk_prepare(
     """Stages 1-3 of every chunk slot in the forward's X form, from the flat token stream ``q, k [T, H, K]``,
     ``v [T, HV, V]``, ``g [T, HV, K]``, ``beta [T, HV]`` as given to the public function (the options applied in
     kernel). The kernel forms neither ``W`` nor ``U`` and never reads ``v``."""
-    f = _prepare(q, k, v, g, beta, scale, slots, A_log, dt_bias, opts, precision, False, None)
-    return XFactors(MqkTb=f[0], Kt=f[1], Qt=f[3], Kb=f[4], Gl=f[5], Nrm=f[7])
+    f = _prepare(q, k, v, g, beta, scale, slots, A_log, dt_bias, opts, precision, store_tm=False, norms=None)
+    assert isinstance(f, XFactors)
+    return f
 
 
 def chunk_prepare_recompute(
@@ -316,9 +317,9 @@ def chunk_prepare_recompute(
     """Stages 1-3 of every chunk slot for the backward, from inputs the options were already applied to
     (:mod:`~kda_ops.triton.chunk.inputs`); ``norms [2, T, H]`` (compute dtype): the l2norm factors of q's and k's
     rows, applied as the tiles load (``q * norms[0]`` is the l2-normalised q)."""
-    f = _prepare(q, k, v, g, beta, scale, slots, None, None, _NO_OPTIONS, precision, True, norms)
-    assert f[2] is not None and f[6] is not None
-    return EFactors(Mqk=f[0], W=f[1], U=f[2], Qt=f[3], Kend=f[4], Gl=f[5], Tm=f[6])
+    f = _prepare(q, k, v, g, beta, scale, slots, None, None, _NO_OPTIONS, precision, store_tm=True, norms=norms)
+    assert isinstance(f, EFactors)
+    return f
 
 
 _NO_OPTIONS = Options()
@@ -338,8 +339,8 @@ def _prepare(
     precision: Precision,
     store_tm: bool,
     norms: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
-    """The two kernels' launch; the slots as :class:`XFactors` or :class:`EFactors` order them (``store_tm``)."""
+) -> XFactors | EFactors:
+    """The two kernels' launch: the backward's factors with ``store_tm``, else the forward's X form."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     NC = slots.start.shape[0]
@@ -393,7 +394,10 @@ def _prepare(
                        **launch("prepare_blocks", BK=K, BV=V))  # fmt: skip
     grid = (min(cdiv(NC * HV, FLAG_BLOCK), persistent_programs(q.device)),) if flag_loop else (NC, HV)
     _launch_blocks(grid, (*head, *tail, NC * HV), blocks_meta)
-    return Mqk, W, U, Qt, Kend, Gl, Tm, Nrm
+    if store_tm:
+        assert U is not None and Tm is not None
+        return EFactors(Mqk=Mqk, W=W, U=U, Qt=Qt, Kend=Kend, Gl=Gl, Tm=Tm)
+    return XFactors(MqkTb=Mqk, Kt=W, Qt=Qt, Kb=Kend, Gl=Gl, Nrm=Nrm)
 
 
 _launch_prepare = Launcher(chunk_prepare_kernel)
