@@ -47,6 +47,7 @@ from triton.testing import do_bench
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))  # tests.triton.chunk.stage_kernels: the standalone stage kernels of the breakdown
 
 import _bench  # noqa: E402
 
@@ -185,7 +186,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
 
 def precision_sweep(fla_fn: Callable[..., Any] | None) -> list[str]:
     """Error at T = 1000 and 32768, and time at B1 T32768 H32, for each alternative precision of bf16 inputs."""
-    from kda_ops.triton.chunk_common import Precision, precision_for, use_precision
+    from kda_ops.triton.chunk.precision import Precision, precision_for, use_precision
 
     base = precision_for(torch.bfloat16)
     variants: dict[str, Precision] = {
@@ -221,19 +222,15 @@ def precision_sweep(fla_fn: Callable[..., Any] | None) -> list[str]:
 
 def bv_sweep() -> list[str]:
     """Time of every value tile of the state scan at the benchmark shapes."""
-    from kda_ops.triton import chunk_state
+    from kda_ops.triton.launch import force_forms
 
     lines = ["| BV | " + " | ".join(f"B{B} T{T} H{H} ms" for B, T, H in SHAPES) + " |", "|---|" + "---|" * len(SHAPES)]
-    old = chunk_state.BV_OVERRIDE
     xs = [inputs(B, T, H) for B, T, H in SHAPES]
-    try:
-        for bv in (None, 16, 32, 64):
-            chunk_state.BV_OVERRIDE = bv
+    for bv in (None, 16, 32, 64):
+        with force_forms(scan_block_v=bv):
             cells = [f"{gpu_ms(lambda x=x: call_ours(x)):.3f}" for x in xs]
-            lines.append(f"| {'auto' if bv is None else bv} | " + " | ".join(cells) + " |")
-            print("  " + lines[-1], file=sys.stderr)
-    finally:
-        chunk_state.BV_OVERRIDE = old
+        lines.append(f"| {'auto' if bv is None else bv} | " + " | ".join(cells) + " |")
+        print("  " + lines[-1], file=sys.stderr)
     return lines
 
 
@@ -241,13 +238,12 @@ def stage_calls(x: dict[str, torch.Tensor]) -> dict[str, Callable[[], Any]]:
     """Each part of our forward on ``x`` alone, by name: the chunk map, the fused stages 1-3 that the forward runs,
     and the stage launchers one by one (stages 2 and 3 as the staged pipeline and the backward's recompute run
     them), each on the factors of the stages before it (computed once here)."""
-    from kda_ops.triton import chunk_state as ts
-    from kda_ops.triton.chunk_common import precision_for
-    from kda_ops.triton.chunk_intra import chunk_intra
-    from kda_ops.triton.chunk_map import slot_map
-    from kda_ops.triton.chunk_output import chunk_output
-    from kda_ops.triton.chunk_prepare import chunk_prepare
-    from kda_ops.triton.chunk_solve import chunk_solve
+    from kda_ops.triton.chunk import scan as ts
+    from kda_ops.triton.chunk.output import chunk_output
+    from kda_ops.triton.chunk.precision import precision_for
+    from kda_ops.triton.chunk.prepare import chunk_prepare
+    from kda_ops.triton.chunk.slots import slot_map
+    from tests.triton.chunk.stage_kernels import chunk_intra, chunk_solve  # the standalone stage kernels
 
     B, T, H, _ = x["q"].shape
     opts = Options(use_qk_l2norm=True)
@@ -261,17 +257,17 @@ def stage_calls(x: dict[str, torch.Tensor]) -> dict[str, Callable[[], Any]]:
     Hin, E = ts.chunk_state(W, U, Kend, Gl, None, slots.cu, p, final=final, offsets=slots.offset)
     # the forward's own path: the fused stages 1-3 in the X form (no W, U), its scan and output stage
     fw = chunk_prepare(f["q"], f["k"], f["v"], f["g"], f["beta"], D**-0.5, slots, None, None, opts, p)
-    fH, fE = ts.chunk_state(fw[1], f["v"], fw[4], fw[5], None, slots.cu, p, final=final, offsets=slots.offset,
-                            norms=fw[7], x_form=True)  # fmt: skip
+    fH, fE = ts.chunk_state(fw.Kt, f["v"], fw.Kb, fw.Gl, None, slots.cu, p, final=final, offsets=slots.offset,
+                            norms=fw.Nrm, x_form=True)  # fmt: skip
     return {
         "chunk map (slot_map: the drivers' one launch)": lambda: slot_map(None, B, T, x["q"].device),
         "stages 1-3 chunk_prepare (fused: the forward's path, X form)": lambda: chunk_prepare(
             f["q"], f["k"], f["v"], f["g"], f["beta"], D**-0.5, slots, None, None, opts, p),
         "stage 4 chunk_state (the forward's scan, X form)": lambda: ts.chunk_state(
-            fw[1], f["v"], fw[4], fw[5], None, slots.cu, p, final=final, offsets=slots.offset, norms=fw[7],
+            fw.Kt, f["v"], fw.Kb, fw.Gl, None, slots.cu, p, final=final, offsets=slots.offset, norms=fw.Nrm,
             x_form=True),
         "stage 5 chunk_output (the forward's)": lambda: chunk_output(
-            fw[3], fw[0], fH, fE, slots, p, torch.bfloat16, norms=fw[7]),
+            fw.Qt, fw.MqkTb, fH, fE, slots, p, torch.bfloat16, norms=fw.Nrm),
         "stage 2 chunk_intra (Mqk, Mkk, Qt, Kend, Kt; cumsum fused; two passes)": lambda: chunk_intra(
             f["q"], f["k"], f["g"], f["beta"], D**-0.5, slots, None, None, opts, p),
         "stage 3 chunk_solve (W, U)": lambda: chunk_solve(
@@ -285,8 +281,8 @@ def stage_calls(x: dict[str, torch.Tensor]) -> dict[str, Callable[[], Any]]:
 
 def breakdown(B: int, T: int, H: int) -> list[str]:
     """Where the time goes at one shape: the public call, and each part of it alone (GPU ms)."""
-    from kda_ops.triton import chunk_state as ts
-    from kda_ops.triton.chunk_common import LAUNCH
+    from kda_ops.triton.chunk import scan as ts
+    from kda_ops.triton.launch import LAUNCH
 
     x = inputs(B, T, H)
     rows = {"chunk_kda (public function)": lambda: call_ours(x), **stage_calls(x)}

@@ -111,7 +111,7 @@ def breakdown(fla_fn: Callable[..., Any] | None) -> list[tuple[str, float]]:
     """Host cost per eager call at B = 1, layer by layer (wall-clock µs per call, back to back)."""
     from kda_ops.common import Options
     from kda_ops.triton import KERNELS
-    from kda_ops.triton.recurrent import launch_forward
+    from kda_ops.triton.recurrent.forward import launch_forward
 
     x = decode_inputs(1)
     q, k, v, g, beta, h0 = (x[n] for n in ("q", "k", "v", "g", "beta", "h0"))
@@ -151,9 +151,9 @@ def breakdown(fla_fn: Callable[..., Any] | None) -> list[tuple[str, float]]:
 
 def sweep(batches: tuple[int, ...]) -> str:
     """Graph-replayed serving step for each (BV, num_warps): the data behind the fixed launch configuration."""
-    import kda_ops.triton.recurrent as tr
+    import kda_ops.triton.recurrent.forward as tr
 
-    original = tr.launch_config
+    original = tr.recurrent_config
     lines = ["| BV | num_warps | " + " | ".join(f"B={B} µs" for B in batches) + " |",
              "|---|---|" + "---|" * len(batches)]  # fmt: skip
     inputs = {B: decode_inputs(B) for B in batches}
@@ -162,7 +162,7 @@ def sweep(batches: tuple[int, ...]) -> str:
             for nw in (1, 2, 4, 8):
                 if triton.next_power_of_2(K) * BV // (32 * nw) > 128:  # state elements per thread: would spill
                     continue
-                tr.launch_config = lambda K, V, BV=BV, nw=nw: (triton.next_power_of_2(K), BV, nw)  # type: ignore[misc]
+                tr.recurrent_config = lambda K, V, BV=BV, nw=nw: (triton.next_power_of_2(K), BV, nw)  # type: ignore[misc]
                 tr._forward_meta.cache_clear()
                 cells = []
                 for B in batches:
@@ -176,7 +176,7 @@ def sweep(batches: tuple[int, ...]) -> str:
                 lines.append(f"| {BV} | {nw} | " + " | ".join(cells) + " |")
                 print(lines[-1], file=sys.stderr)
     finally:
-        tr.launch_config = original
+        tr.recurrent_config = original
         tr._forward_meta.cache_clear()
     return "\n".join(lines)
 

@@ -187,6 +187,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--compare")
     ap.add_argument("--limit", type=int, default=0, help="only the first N cases (a quick run)")
+    ap.add_argument("--only", nargs="*", help="only the cases whose name holds one of these strings")
     ap.add_argument("--shard", default="0/1", help="k/n: run the cases i with i % n == k (parallel processes)")
     ap.add_argument("--merge", nargs="*", help="merge these shard outputs into --out (no cases run)")
     a = ap.parse_args()
@@ -194,6 +195,8 @@ def main() -> None:
     all_cases = cases(a.device)
     if a.limit:
         all_cases = all_cases[: a.limit]
+    if a.only:
+        all_cases = [(name, c) for name, c in all_cases if any(s in name for s in a.only)]
     k, n = (int(x) for x in a.shard.split("/"))
     out: dict[str, str] = {}
     errs: dict[str, float] = {}

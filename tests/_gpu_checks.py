@@ -1,5 +1,5 @@
-"""What the GPU tests share: the sync-and-poison check around a call, the opt-in to Triton on CUDA, and the count
-of compiled variants of Triton kernels (what a warm-up must leave unchanged)."""
+"""What the GPU tests share: the sync-and-poison check around a call, and the count of compiled variants of Triton
+kernels (what a warm-up must leave unchanged)."""
 
 from __future__ import annotations
 
@@ -7,16 +7,13 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-import pytest
 import torch
-
-from kda_ops import ops
 
 
 @contextlib.contextmanager
 def checked() -> Iterator[None]:
     """Around a kernel call: host syncs raise, and every launcher's outputs start as NaN."""
-    from kda_ops.triton.debug import poison_outputs
+    from kda_ops.triton.launch import poison_outputs
 
     old = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
@@ -25,13 +22,6 @@ def checked() -> Iterator[None]:
             yield
     finally:
         torch.cuda.set_sync_debug_mode(old)
-
-
-@pytest.fixture
-def triton_chunk_on_cuda() -> Iterator[None]:
-    """The chunk tests run the Triton kernels on CUDA even when an op is out of ops.CUDA_VERIFIED."""
-    with ops.cuda_triton("chunk", "chunk_bwd"):
-        yield
 
 
 def compiled_variants(*kernels: Any) -> int:

@@ -1,7 +1,12 @@
-"""Test set-up: the Triton interpreter on machines without a GPU, and the ``gpu`` marker.
+"""Test set-up: the Triton interpreter on machines without a GPU, the ``gpu`` and ``interpret`` markers, and the
+``device`` fixture of the tests that run both ways.
 
 ``TRITON_INTERPRET=1`` must be set before any ``@triton.jit`` decorator runs, so it is set here, before
 kda_ops is imported, whenever no CUDA device is present.
+
+A test that takes ``device`` runs twice: on ``"cpu"`` (marked ``interpret``: the Triton kernels under the
+interpreter, skipped where a GPU is present, since the interpreter is process-wide) and on ``"cuda"`` (marked
+``gpu``: the compiled kernels, skipped without a GPU). ``pytest -m gpu`` on the GPU machine picks the second.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+DEVICES = [pytest.param("cpu", marks=pytest.mark.interpret, id="cpu"),
+           pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]  # fmt: skip
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on the H200)")
@@ -31,3 +39,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
         if "interpret" in item.keywords and (HAS_CUDA or not HAS_TRITON):
             item.add_marker(skip_triton if not HAS_TRITON else pytest.mark.skip(reason="interpreter tests run on CPU"))
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """``cpu`` (the interpreter) or ``cuda`` (compiled): the device a stage test runs its kernels on."""
+    return torch.device(request.param)

@@ -27,7 +27,7 @@ def backend(request: pytest.FixtureRequest) -> Iterator[str]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(ops.cpu_backend(name))
         if name == "triton":
-            from kda_ops.triton.debug import poison_outputs
+            from kda_ops.triton.launch import poison_outputs
 
             stack.enter_context(poison_outputs())
         yield name

@@ -2,9 +2,10 @@
 grouped value heads, every option, hard resets, opcheck, no host synchronisation.
 
 The oracle is the analytic reference backward (``kda_ops.reference.chunk_bwd``) on float64 CUDA copies of the
-same (bf16-rounded) inputs; it equals autograd of the naive recurrence to ~1e-15 (``tests/test_reference.py``).
-The Triton backward runs twice: once to compile and autotune, then with host syncs raising and every launcher's
-buffers poisoned with NaN. Bounds of issue 5: dq, dk, dv, dh0 <= 8e-3; dg, dbeta <= 2e-2 (relative).
+same (bf16-rounded) inputs; it equals autograd of the naive recurrence to ~1e-15
+(``tests/reference/chunk/test_backward.py``). The Triton backward runs twice: once to compile and autotune, then
+with host syncs raising and every launcher's buffers poisoned with NaN. Bounds of issue 5: dq, dk, dv, dh0 <= 8e-3;
+dg, dbeta <= 2e-2 (relative).
 
 The compiled two-layer training step (loss equal to eager, decreasing over 50 steps, 0 graph breaks) is
 ``tests/gpu/test_models_gpu.py``: its model's layers call ``kda_ops.chunk_kda``, whose backward is this one.
@@ -16,40 +17,29 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import kda_ops
 from kda_ops import ops, reference
 from kda_ops.common import Options
 from kda_ops.testing import make_inputs, make_state, rel_err
-from tests._gpu_checks import checked, triton_chunk_on_cuda  # noqa: F401 (a fixture)
+from tests._gpu_checks import checked
+from tests.cases import (
+    BF16,
+    CHUNK_BWD_GPU_OPTIONS,
+    CHUNK_GRAD_TOL,
+    CU_GPU_BWD,
+    F64,
+    OPTIONS,
+    hard_reset,
+    options,
+    set_gates,
+    unit_qk,
+)
 
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("triton_chunk_on_cuda")]
+pytestmark = pytest.mark.gpu
 DEV = "cuda"
-F64 = torch.float64
-BF16 = torch.bfloat16
-TOL = {"dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dh0": 8e-3, "dg": 2e-2, "dbeta": 2e-2, "dA_log": 2e-2, "ddt_bias": 2e-2}
+TOL = CHUNK_GRAD_TOL
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
-
-OPTIONS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "plain": ({}, {}),
-    "l2norm": ({}, {"use_qk_l2norm_in_kernel": True}),
-    "gate": ({"gate_in_kernel": True}, {"use_gate_in_kernel": True}),
-    "lower_bound": ({"gate_in_kernel": True}, {"use_gate_in_kernel": True, "lower_bound": -5.0}),
-    "lower_bound_no_A": ({"gate_in_kernel": True}, {"use_gate_in_kernel": True, "lower_bound": -3.0, "A_log": None}),
-    "neg_eigval": ({"beta_logits": True}, {"use_beta_sigmoid_in_kernel": True, "allow_neg_eigval": True}),
-    "all": (
-        {"gate_in_kernel": True, "beta_logits": True},
-        {"use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True,
-         "allow_neg_eigval": True},
-    ),  # fmt: skip
-}
-
-
-def _opts(call: dict[str, Any]) -> Options:
-    return Options(call.get("use_qk_l2norm_in_kernel", False), call.get("use_gate_in_kernel", False),
-                   call.get("use_beta_sigmoid_in_kernel", False), call.get("allow_neg_eigval", False),
-                   call.get("lower_bound"))  # fmt: skip
 
 
 def _run(name: str, B: int, T: int, H: int, HV: int, gates: str = "normal", cu: list[int] | None = None,
@@ -58,12 +48,11 @@ def _run(name: str, B: int, T: int, H: int, HV: int, gates: str = "normal", cu: 
     make_opts, call_opts = OPTIONS[name]
     x = make_inputs(B, T, H, K, V, HV=HV, dtype=dtype, device=DEV, seed=1, **make_opts)
     if not call_opts.get("use_qk_l2norm_in_kernel", False):  # long keys make the solve ill-conditioned
-        x["q"], x["k"] = (F.normalize(x[n].float(), dim=-1).to(dtype) for n in ("q", "k"))
+        unit_qk(x)
     if gates == "reset":
-        x["g"][:, [t for t in (3, 64, 65, 500) if t < T]] = -1000.0
-        x["g"][:, T // 3, :, : K // 2] = -1000.0
+        hard_reset(x["g"], (3, 64, 65, 500), T // 3)
     elif gates == "zero":
-        x["g"].zero_()
+        set_gates(x["g"], "zero")
     A_log = call_opts.get("A_log", x.get("A_log"))
     dt_bias = call_opts.get("dt_bias", x.get("dt_bias"))
     cu_t = None if cu is None else torch.tensor(cu, device=DEV, dtype=torch.int32)
@@ -72,7 +61,7 @@ def _run(name: str, B: int, T: int, H: int, HV: int, gates: str = "normal", cu: 
     gen = torch.Generator().manual_seed(2)
     do = torch.randn(x["v"].shape, generator=gen).to(DEV, dtype)
     dht = torch.randn(h0.shape, generator=gen).to(DEV)
-    args = (do, dht, x["q"], x["k"], x["v"], x["g"], x["beta"], K**-0.5, h0, cu_t, A_log, dt_bias, _opts(call_opts))
+    args = (do, dht, x["q"], x["k"], x["v"], x["g"], x["beta"], K**-0.5, h0, cu_t, A_log, dt_bias, options(call_opts))
     from kda_ops.triton import KERNELS
 
     KERNELS["chunk_bwd"](*args)  # compile and autotune
@@ -102,10 +91,10 @@ def test_lengths_bf16(T: int) -> None:
 
 
 def test_varlen_gva_empty_and_one_token() -> None:
-    _check(_run("all", 1, 1000, 2, 4, cu=[0, 1, 1, 300, 364, 365, 1000]))
+    _check(_run("all", 1, 1000, 2, 4, cu=CU_GPU_BWD))
 
 
-@pytest.mark.parametrize("name", list(OPTIONS))
+@pytest.mark.parametrize("name", CHUNK_BWD_GPU_OPTIONS)
 def test_every_option(name: str) -> None:
     _check(_run(name, 2, 300, 2, 4))
 

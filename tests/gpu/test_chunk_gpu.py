@@ -2,10 +2,10 @@
 graphs and no host synchronisation.
 
 The oracle is the reference chunkwise forward (``kda_ops.reference.chunk_fwd``) run in float64 on the GPU; it
-equals the naive recurrence to ~1e-15 (``tests/test_reference.py``) and is fast enough at T = 32k. Every kernel
-call runs twice: once to compile and autotune, then inside ``torch.cuda.set_sync_debug_mode("error")`` with every
-launcher's outputs and scratch buffers poisoned with NaN (a host sync raises; an element a kernel forgets to write
-fails the comparison); the second result is the one compared.
+equals the naive recurrence to ~1e-15 (``tests/reference/chunk/test_forward.py``) and is fast enough at T = 32k.
+Every kernel call runs twice: once to compile and autotune, then inside ``torch.cuda.set_sync_debug_mode("error")``
+with every launcher's outputs and scratch buffers poisoned with NaN (a host sync raises; an element a kernel forgets
+to write fails the comparison); the second result is the one compared.
 
 Inputs without the in-kernel l2norm get unit-norm q and k from the caller: long keys make the delta rule's solve
 ill-conditioned for any fp32 code, which would test the inputs rather than the kernels.
@@ -17,65 +17,42 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import kda_ops
 from kda_ops import reference
-from kda_ops.common import Options
 from kda_ops.testing import make_inputs, make_state, rel_err
-from tests._gpu_checks import checked, compiled_variants, triton_chunk_on_cuda  # noqa: F401 (a fixture)
+from tests._gpu_checks import checked, compiled_variants
+from tests.cases import (
+    BF16,
+    CHUNK_OPTIONS,
+    CHUNK_TOL,
+    CU_GPU_CHUNK,
+    CU_GPU_PARTIAL,
+    CU_GPU_RESETS,
+    hard_reset,
+    option_inputs,
+    options,
+    set_gates,
+    unit_qk,
+)
 
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("triton_chunk_on_cuda")]
+pytestmark = pytest.mark.gpu
 DEV = "cuda"
-F64 = torch.float64
-BF16 = torch.bfloat16
 
 # acceptance bounds of issue 4 (relative error against the float64 oracle)
-TOL = {torch.float32: 1e-4, BF16: 5e-3, torch.float16: 5e-3}
-
-OPTIONS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "plain": ({}, {}),
-    "l2norm": ({}, {"use_qk_l2norm_in_kernel": True}),
-    "gate": ({"gate_in_kernel": True}, {"use_gate_in_kernel": True}),
-    "gate_no_dt_bias": ({"gate_in_kernel": True}, {"use_gate_in_kernel": True, "dt_bias": None}),
-    "lower_bound": ({"gate_in_kernel": True}, {"use_gate_in_kernel": True, "lower_bound": -5.0}),
-    "lower_bound_no_A": ({"gate_in_kernel": True}, {"use_gate_in_kernel": True, "lower_bound": -3.0, "A_log": None}),
-    "beta_sigmoid": ({"beta_logits": True}, {"use_beta_sigmoid_in_kernel": True}),
-    "neg_eigval": ({"beta_logits": True}, {"use_beta_sigmoid_in_kernel": True, "allow_neg_eigval": True}),
-    "all": (
-        {"gate_in_kernel": True, "beta_logits": True},
-        {"use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True,
-         "allow_neg_eigval": True},
-    ),  # fmt: skip
-}
+TOL = CHUNK_TOL
 
 
 def _case(name: str, B: int, T: int, H: int, K: int, V: int, HV: int, dtype: torch.dtype, gates: str = "normal",
           seed: int = 0) -> dict[str, Any]:  # fmt: skip
-    make_opts, call_opts = OPTIONS[name]
-    x = make_inputs(B, T, H, K, V, HV=HV, dtype=dtype, device=DEV, seed=seed, **make_opts)
-    if not call_opts.get("use_qk_l2norm_in_kernel", False):
-        x["q"], x["k"] = (F.normalize(x[n].float(), dim=-1).to(dtype) for n in ("q", "k"))
-    g = x["g"]
+    x = option_inputs(name, B, T, H, K, V, HV=HV, dtype=dtype, seed=seed, device=DEV)
+    if not x.get("use_qk_l2norm_in_kernel", False):
+        unit_qk(x)
     if gates == "reset":  # hard resets on every channel, and on half of the channels
-        g[:, [t for t in (0, 3, 64, 100, 777) if t < T]] = -1000.0
-        g[:, T // 2, :, : g.shape[-1] // 2] = -1000.0
-    elif gates == "zero":
-        g.zero_()
-    elif gates == "strong":  # every 16-token block spans 72 nats: the exact pairwise diagonal blocks
-        g.fill_(-4.5)
-    x.update(call_opts)
+        hard_reset(x["g"], (0, 3, 64, 100, 777), T // 2)
+    elif gates != "normal":  # "zero"; "strong": every 16-token block spans 72 nats, the exact pairwise blocks
+        set_gates(x["g"], gates)
     return x
-
-
-def _opts(x: dict[str, Any]) -> Options:
-    return Options(
-        x.get("use_qk_l2norm_in_kernel", False),
-        x.get("use_gate_in_kernel", False),
-        x.get("use_beta_sigmoid_in_kernel", False),
-        x.get("allow_neg_eigval", False),
-        x.get("lower_bound"),
-    )
 
 
 def _oracle(x: dict[str, Any], h0: torch.Tensor | None, cu: torch.Tensor | None, scale: float | None = None
@@ -85,7 +62,7 @@ def _oracle(x: dict[str, Any], h0: torch.Tensor | None, cu: torch.Tensor | None,
     K = x["q"].shape[-1]
     return reference.chunk_fwd(
         d["q"], d["k"], d["v"], d["g"], d["beta"], K**-0.5 if scale is None else scale,
-        None if h0 is None else h0.double(), cu, d.get("A_log"), d.get("dt_bias"), _opts(x), True,
+        None if h0 is None else h0.double(), cu, d.get("A_log"), d.get("dt_bias"), options(x), True,
     )  # fmt: skip
 
 
@@ -124,7 +101,7 @@ def test_lengths(T: int, dtype: torch.dtype) -> None:
 # every (K, V, dtype, options) compiles and autotunes its kernels once (~10 s each): a subset of the products
 HEAD_DIMS = [(64, 64, BF16), (100, 100, BF16), (256, 256, BF16), (64, 256, BF16), (256, 64, BF16), (100, 128, BF16),
              (128, 100, BF16), (64, 64, torch.float32), (100, 100, torch.float32), (256, 256, torch.float32)]
-ALL = [(name, BF16) for name in OPTIONS] + [(name, torch.float32) for name in ("plain", "lower_bound", "all")]
+ALL = [(name, BF16) for name in CHUNK_OPTIONS] + [(name, torch.float32) for name in ("plain", "lower_bound", "all")]
 
 
 @pytest.mark.parametrize(("K", "V", "dtype"), HEAD_DIMS)
@@ -149,7 +126,7 @@ def test_extreme_gates(gates: str, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
 def test_varlen_empty_and_one_token_sequences(dtype: torch.dtype) -> None:
-    cu_list = [0, 0, 1, 1, 64, 65, 1000, 1003, 4096]
+    cu_list = CU_GPU_CHUNK
     cu = torch.tensor(cu_list, device=DEV, dtype=torch.int32)
     N = len(cu_list) - 1
     x = _case("all", 1, cu_list[-1], 2, 128, 128, HV=4, dtype=dtype)
@@ -193,28 +170,29 @@ def test_chunk_equals_recurrent(dtype: torch.dtype) -> None:
 
 
 def test_staged_pipeline_equals_fused() -> None:
-    from kda_ops.triton import chunk as tc
+    from kda_ops.triton.chunk.forward import chunk_fwd
+    from tests.triton.chunk.stage_kernels import chunk_fwd_staged
 
-    cu = torch.tensor([0, 5, 5, 700, 701, 2000], device=DEV)
+    cu = torch.tensor(CU_GPU_RESETS, device=DEV)
     x = _case("all", 1, 2000, 2, 128, 128, HV=4, dtype=BF16, gates="reset")
     h0 = make_state(5, 4, 128, 128, device=DEV)
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 128**-0.5, h0, cu, x["A_log"], x["dt_bias"], _opts(x), True)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 128**-0.5, h0, cu, x["A_log"], x["dt_bias"], options(x), True)
     o_ref, s_ref = _oracle(x, h0, cu)
-    for fn in (tc.chunk_fwd, tc.chunk_fwd_staged):
+    for fn in (chunk_fwd, chunk_fwd_staged):
         o, s = fn(*args)
         assert rel_err(o, o_ref) <= TOL[BF16] and rel_err(s, s_ref) <= TOL[BF16], fn.__name__
 
 
-@pytest.mark.parametrize("few", [0, 1 << 20], ids=["per_sm", "per_item"])
-def test_output_stage_forms(few: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("per_item", [False, True], ids=["per_sm", "per_item"])
+def test_output_stage_forms(per_item: bool) -> None:
     """Both forms of the 16-bit output stage (programs walking 128-wide items, a program per 64-wide item; the
     forward picks by the number of items) on varlen input with empty sequences, against the oracle."""
-    from kda_ops.triton import chunk_output
+    from kda_ops.triton import force_forms
 
-    monkeypatch.setattr(chunk_output, "FEW_ITEMS_PER_SM", few)
-    cu = torch.tensor([0, 5, 5, 700, 701, 2000], device=DEV)
+    cu = torch.tensor(CU_GPU_RESETS, device=DEV)
     x = _case("l2norm", 1, 2000, 2, 128, 128, HV=4, dtype=BF16, gates="reset")
-    _check(x, h0=make_state(5, 4, 128, 128, device=DEV), cu=cu)
+    with force_forms(output_per_item=per_item):
+        _check(x, h0=make_state(5, 4, 128, 128, device=DEV), cu=cu)
 
 
 # ---------------------------------------------------------------------------- graphs, compile, sync
@@ -252,11 +230,10 @@ def test_warmup_leaves_nothing_to_compile() -> None:
     """After a warm-up on 64 tokens, calls at other lengths (T not a multiple of 16, an odd number of chunk slots;
     the output stage's other form at T = 4096) are captured with nothing left to compile: no Triton kernel cache of
     the forward grows."""
-    from kda_ops.triton import chunk_cumsum, chunk_map, chunk_output, chunk_prepare, chunk_state
+    from kda_ops.triton.chunk import decays, output, prepare, scan, slots
 
-    kernels = (chunk_map.dense_map_kernel, chunk_cumsum.chunk_cumsum_kernel, chunk_prepare.chunk_prepare_kernel,
-               chunk_prepare.chunk_prepare_blocks_kernel, chunk_state.chunk_state_kernel,
-               chunk_output.chunk_output_kernel)  # fmt: skip
+    kernels = (slots.dense_map_kernel, decays.anchor_sums_kernel, prepare.chunk_prepare_kernel,
+               prepare.chunk_prepare_blocks_kernel, scan.chunk_state_kernel, output.chunk_output_kernel)
 
     x = _case("l2norm", 1, 4096, 32, 128, 128, HV=32, dtype=BF16)
 
@@ -296,7 +273,7 @@ def test_compiled_graph_serves_any_cu_seqlens() -> None:
 def test_nan_poison_reaches_no_output() -> None:
     """Poisoned outputs and scratch buffers are fully overwritten (also checked in every call above): here with a
     partial last chunk, an empty sequence at the end, and no initial state."""
-    cu = torch.tensor([0, 70, 70, 131, 131], device=DEV)
+    cu = torch.tensor(CU_GPU_PARTIAL, device=DEV)
     x = _case("l2norm", 1, 131, 1, 100, 100, HV=1, dtype=BF16)
     o, s = _chunk(x, cu=cu)
     assert s is not None and torch.isfinite(o).all() and torch.isfinite(s).all()

@@ -2,7 +2,7 @@
 in a captured CUDA graph, and no host synchronisation.
 
 Every op call runs inside ``torch.cuda.set_sync_debug_mode("error")`` with the launchers' outputs poisoned with
-NaN (:func:`kda_ops.triton.debug.poison_outputs`): a host sync raises, an element a kernel forgets to write fails
+NaN (:func:`kda_ops.triton.launch.poison_outputs`): a host sync raises, an element a kernel forgets to write fails
 the comparison. The comparisons themselves (which do read values on the host) run outside.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,56 +20,33 @@ import kda_ops
 from kda_ops import ops
 from kda_ops.reference import naive_recurrent_kda
 from kda_ops.testing import make_inputs, make_state, rel_err
-from tests._gpu_checks import compiled_variants
+from tests._gpu_checks import checked, compiled_variants
+from tests.cases import (
+    BF16,
+    CU_GPU_RECURRENT,
+    CU_GPU_SYNC,
+    F64,
+    RECURRENT_GPU_OPTIONS,
+    RECURRENT_GRAD_TOL,
+    RECURRENT_TOL,
+    option_inputs,
+    unit_qk,
+)
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
-F64 = torch.float64
-BF16 = torch.bfloat16
 
 # acceptance bounds of issue 3 (relative error against the float64 oracle)
-TOL = {torch.float32: 1e-5, BF16: 2e-3}
-GRAD_TOL = {torch.float32: 1e-5, BF16: 5e-3}
-
-OPTIONS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "plain": ({}, {}),
-    "l2norm": ({}, {"use_qk_l2norm_in_kernel": True}),
-    "gate": ({"gate_in_kernel": True}, {"use_gate_in_kernel": True}),
-    "gate_no_dt_bias": ({"gate_in_kernel": True}, {"use_gate_in_kernel": True, "dt_bias": None}),
-    "lower_bound": ({"gate_in_kernel": True}, {"use_gate_in_kernel": True, "lower_bound": -5.0}),
-    "lower_bound_no_A": ({"gate_in_kernel": True}, {"use_gate_in_kernel": True, "lower_bound": -3.0, "A_log": None}),
-    "beta_sigmoid": ({"beta_logits": True}, {"use_beta_sigmoid_in_kernel": True}),
-    "neg_eigval": ({"beta_logits": True}, {"use_beta_sigmoid_in_kernel": True, "allow_neg_eigval": True}),
-    "all": (
-        {"gate_in_kernel": True, "beta_logits": True},
-        {"use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True,
-         "allow_neg_eigval": True},
-    ),  # fmt: skip
-}
-
-
-@contextlib.contextmanager
-def checked() -> Iterator[None]:
-    """Around every op call: host syncs raise, and the kernels' outputs start as NaN."""
-    from kda_ops.triton.debug import poison_outputs
-
-    old = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with poison_outputs():
-            yield
-    finally:
-        torch.cuda.set_sync_debug_mode(old)
+TOL = RECURRENT_TOL
+GRAD_TOL = RECURRENT_GRAD_TOL
 
 
 def _inputs(name: str, B: int, T: int, H: int, K: int, V: int, HV: int, dtype: torch.dtype,
             seed: int = 0) -> dict[str, Any]:  # fmt: skip
     """Inputs on the GPU; keys unit-norm when the kernel does not normalise them (a stable recurrence at any K)."""
-    make_opts, call_opts = OPTIONS[name]
-    x = make_inputs(B, T, H, K, V, HV=HV, dtype=dtype, device=DEV, seed=seed, **make_opts)
-    if not call_opts.get("use_qk_l2norm_in_kernel"):
-        x["k"] = F.normalize(x["k"].double(), dim=-1).to(dtype)
-    x.update(call_opts)
+    x = option_inputs(name, B, T, H, K, V, HV=HV, dtype=dtype, seed=seed, device=DEV)
+    if not x.get("use_qk_l2norm_in_kernel"):
+        unit_qk(x, ("k",), via=F64)
     return x
 
 
@@ -113,7 +89,7 @@ def _check(x: dict[str, Any], h0: torch.Tensor | None, cu: torch.Tensor | None =
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", OPTIONS)
+@pytest.mark.parametrize("name", RECURRENT_GPU_OPTIONS)
 def test_every_option_forward_and_gradients(name: str, dtype: torch.dtype) -> None:
     x = _inputs(name, 2, 64, 2, 128, 128, HV=4, dtype=dtype)
     _check(x, make_state(2, 4, 128, 128, device=DEV))
@@ -121,7 +97,7 @@ def test_every_option_forward_and_gradients(name: str, dtype: torch.dtype) -> No
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
 def test_varlen_with_empty_sequences(dtype: torch.dtype) -> None:
-    cu = torch.tensor([0, 0, 37, 37, 100, 101, 160], dtype=torch.int32, device=DEV)
+    cu = torch.tensor(CU_GPU_RECURRENT, dtype=torch.int32, device=DEV)
     x = _inputs("all", 1, 160, 2, 128, 128, HV=4, dtype=dtype)
     h0 = make_state(6, 4, 128, 128, device=DEV)
     _check(x, h0, cu)
@@ -279,7 +255,7 @@ def test_serving_compiled_fullgraph_in_place() -> None:
 def test_sync_free_and_fully_written_everywhere() -> None:
     """Dense and varlen forward, backward and the serving step, all under sync-debug "error" with NaN outputs."""
     x = _inputs("all", 1, 50, 2, 128, 128, HV=4, dtype=BF16)
-    cu = torch.tensor([0, 20, 20, 50], device=DEV)
+    cu = torch.tensor(CU_GPU_SYNC, device=DEV)
     h0 = make_state(3, 4, 128, 128, device=DEV)
     pool = make_state(5, 4, 128, 128, device=DEV)
     idx = torch.tensor([3, -1, 0], device=DEV)
@@ -303,7 +279,7 @@ def test_cached_launch_equals_triton_launch() -> None:
     """The cached launch (``kda_ops.triton.launch``) runs what Triton's own launch runs: the first call goes through
     Triton and fills the cache, later calls take the cached kernel; outputs are bitwise equal. An input whose
     pointer is not 16-byte aligned is a new launch key (Triton specializes on alignment)."""
-    from kda_ops.triton import recurrent as tr
+    from kda_ops.triton.recurrent import forward as tr
 
     x = make_inputs(3, 5, 4, 64, 64, dtype=BF16, device=DEV)
     h0 = make_state(3, 4, 64, 64, device=DEV)
@@ -331,7 +307,7 @@ def test_warmup_compiles_every_step_length() -> None:
     """After ``kda_ops.warmup`` on 64 tokens, decode steps of 1 and 3 tokens, and the serving step with int32 and
     int64 slot indices, are captured with nothing left to compile (the kernel does not specialise on the length or
     the pool's size), each replay equal to its eager call."""
-    from kda_ops.triton import recurrent
+    from kda_ops.triton.recurrent import forward as recurrent
 
     x = make_inputs(2, 64, 4, 128, 128, HV=8, dtype=BF16, device=DEV)
     h0 = make_state(2, 8, 128, 128, device=DEV)

@@ -1,4 +1,5 @@
-"""The cached launcher's key (``kda_ops.triton.launch``): a refinement of Triton's specialization key.
+"""``kda_ops.triton.launch``: the stage kernels' launch configuration, programmatic dependent launch, and the
+cached launcher's key, a refinement of Triton's specialization key.
 
 A launch key that merged two argument lists Triton specializes differently would launch a kernel compiled for the
 other one (wrong alignment assumptions, a length specialized to 1). The GPU test
@@ -65,3 +66,20 @@ def test_two_entries_per_argument() -> None:
     assert len(key(None, 0.5, 7, t)) == 8
     assert key(None, 3) != key(t, 3)
     assert key(0.5, 0) != key(0, 0.5)
+
+
+def test_launch_configuration_caps_tiles_at_the_head_dimension() -> None:
+    """A stage's configured tiles, each capped at the power of two above its head dimension (the fused prepare
+    stage: the solve stage's entry moved with its standalone kernel to the tests' ``stage_kernels``)."""
+    cfg = launch.launch("prepare", BK=100, BV=16)
+    stage = launch.LAUNCH["prepare"]
+    assert cfg == {"num_warps": stage["num_warps"], "num_stages": stage["num_stages"], "BK": min(128, stage["BK"]),
+                   "BV": 16}  # fmt: skip
+
+
+def test_programmatic_dependent_launch_only_where_supported() -> None:
+    """Off CUDA (and under the interpreter) the forward's kernels launch plainly; the toolkit gate reads versions."""
+    assert dict(launch.pdl(torch.device("cpu"))) == {"PDL": False}
+    assert launch.cuda_version("13.0") >= (12, 4) and launch.cuda_version("12.4") >= (12, 4)
+    assert launch.cuda_version("12.1") < (12, 4) and launch.cuda_version(None) < (12, 4)
+    assert launch.cuda_version("abc") == ()

@@ -1,0 +1,69 @@
+"""``kda_ops.triton.chunk.dqk``: the backward's stage 3b (``dq``, ``dk``, ``dg``, the whole ``dbeta``), fed the
+float64 oracle's factors and stage 3a, against its oracle (``kda_ops.reference.chunk.dqk``), both its anchored and
+its block pass, under the interpreter and on CUDA."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kda_ops.reference.chunk.dqk import dqk as oracle_dqk  # noqa: E402
+from kda_ops.reference.chunk.dv import dv as oracle_dv  # noqa: E402
+from kda_ops.testing import assert_rel  # noqa: E402
+from kda_ops.triton.chunk import dqk  # noqa: E402
+from kda_ops.triton.chunk.tiles import BT  # noqa: E402
+from kda_ops.triton.launch import poison_outputs  # noqa: E402
+from tests.triton.chunk.stages import OVERFLOW_WARNINGS, bwd_precisions, bwd_stage_case, dv_inputs, f32  # noqa: E402
+from tests.triton.sm90 import check_compiles  # noqa: E402
+
+pytestmark = [*OVERFLOW_WARNINGS, pytest.mark.usefixtures("triton_path")]
+
+NAMES = ("q", "k", "Gam", "Gl", "beta", "dMqk", "dMkk", "dKt", "Hin", "E", "dSp", "dO", "dbeta")
+
+
+def _dqk_case(gates: str, device: torch.device, K: int = 20) -> dict[str, Any]:
+    """A backward stage case with the oracle's stage 3a (the dq/dk stage's inputs)."""
+    c = bwd_stage_case(gates, H=1, HV=2, K=K, device=device)
+    c.update(dv_inputs(c))
+    _, dbeta, dMqk, dMkk, dKt, Gam = oracle_dv(c["k"], c["v"], c["g"], c["beta"], c["Tm"], c["Hin"], c["E"],
+                                               c["dE"], c["dO"], c["slots"], BT)  # fmt: skip
+    c.update(dbeta=dbeta, dMqk=dMqk, dMkk=dMkk, dKt=dKt, Gam=Gam)
+    return c
+
+
+@pytest.mark.parametrize("gates", ["normal", "reset", "half_reset", "zero"])
+def test_stage_dqk(gates: str, device: torch.device) -> None:
+    """The dq/dk stage against its float64 oracle, every output poisoned first (K = 40: two key tiles, the second
+    partial; with ``half_reset`` one chunk's key tiles span differently)."""
+    c = _dqk_case(gates, device, K=40)
+    prec, _ = bwd_precisions(device, exact=True)
+    with poison_outputs():
+        got = dqk.chunk_bwd_dqk(*f32(c, *NAMES), 0.4, c["slots"], prec)
+    ref = oracle_dqk(*(c[n] for n in NAMES), 0.4, c["slots"], BT)
+    # resets: Gam reaches -1000 and fp32 rounds it to ~6e-5 nats, which the pairwise differences carry
+    tol = 1e-4 if gates.endswith("reset") else 1e-5
+    for name, a, b in zip(("dq", "dk", "dg", "dbeta"), got, ref):
+        assert_rel(a, b, tol, name)
+
+
+def test_stage_dqk_block_pass_equals_anchored_pass(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the anchored span below 0 the first pass flags every chunk and the block pass computes them all: the
+    same gradients as the anchored pass (two fp32 factorings of the same decays)."""
+    c = _dqk_case("normal", device)
+    prec, _ = bwd_precisions(device, exact=True)
+    with poison_outputs():
+        anchored = dqk.chunk_bwd_dqk(*f32(c, *NAMES), 0.4, c["slots"], prec)
+        monkeypatch.setattr(dqk, "ANCHOR_SPAN", -1.0)
+        blocks = dqk.chunk_bwd_dqk(*f32(c, *NAMES), 0.4, c["slots"], prec)
+    for name, a, b in zip(("dq", "dk", "dg", "dbeta"), anchored, blocks):
+        assert_rel(a, b, 1e-5, name)
+
+
+def test_kernels_compile_for_sm90() -> None:
+    """The dq/dk stage (both passes) lowers for sm_90 as the backward launches it, its anchored pass within the
+    backward's spill bound (``tests/triton/sm90.py``)."""
+    check_compiles("chunk.dqk")

@@ -1,0 +1,52 @@
+"""``kda_ops.triton.chunk.scan_bwd``: the backward's reverse scan (``dE``, ``dS'``, ``dh0``), fed the float64
+oracle's forward factors, against its oracle (``kda_ops.reference.chunk.scan_bwd``), with each value tile, under
+the interpreter and on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kda_ops.reference.chunk.scan_bwd import scan_bwd as oracle_scan_bwd  # noqa: E402
+from kda_ops.testing import assert_rel  # noqa: E402
+from kda_ops.triton.chunk.scan_bwd import chunk_bwd_scan  # noqa: E402
+from kda_ops.triton.chunk.tiles import BT  # noqa: E402
+from kda_ops.triton.launch import force_forms  # noqa: E402
+from tests.triton.chunk.stages import N_BWD, OVERFLOW_WARNINGS, bwd_precisions, bwd_stage_case, f32, used  # noqa: E402
+from tests.triton.sm90 import check_compiles  # noqa: E402
+
+pytestmark = [*OVERFLOW_WARNINGS, pytest.mark.usefixtures("triton_path")]
+
+
+@pytest.mark.parametrize(("gates", "tiles", "with_dht"), [("normal", None, True), ("reset", 16, False)])
+def test_stage_scan(gates: str, tiles: int | None, with_dht: bool, device: torch.device) -> None:
+    c = bwd_stage_case(gates, V=24, device=device)
+    prec, _ = bwd_precisions(device)
+    dht = c["dht"] if with_dht else None
+    dO, Mqk, Qt, Kend, W, Gl = f32(c, "dO", "Mqk", "Qt", "Kend", "W", "Gl")
+    with force_forms(scan_block_v=tiles):
+        dE, dSp, dh0 = chunk_bwd_scan(dO, Mqk, Qt, Kend, W, Gl, None if dht is None else dht.float(), c["cu"], prec)
+        ref = oracle_scan_bwd(c["dO"], c["Mqk"], c["Qt"], c["Kend"], c["W"], c["Gl"], dht, c["slots"], BT, N_BWD)
+        u = used(c["slots"])
+        assert dh0 is not None
+        assert_rel(dE, ref[0], 1e-5, "dE")
+        assert_rel(dSp[u], ref[1][u], 1e-5, "dS'")
+        assert_rel(dh0, ref[2], 1e-5, "dh0")
+        if with_dht:  # the empty sequence passes the final-state gradient through
+            torch.testing.assert_close(dh0[1], dht[1].float())
+        # dS' stored in bf16 (the driver's choice for bf16 inputs): one rounding of the same values (within one
+        # bf16 ulp: the interpreter truncates where the GPU rounds to nearest), and the scan's carried dS (so dE,
+        # dh0) untouched
+        dE16, dSp16, dh016 = chunk_bwd_scan(dO, Mqk, Qt, Kend, W, Gl, None if dht is None else dht.float(), c["cu"],
+                                            prec, dsp_dtype=torch.bfloat16)  # fmt: skip
+    assert dSp16.dtype == torch.bfloat16 and dE16.dtype == torch.float32
+    torch.testing.assert_close(dSp16[u].float(), dSp[u], rtol=2.0**-7, atol=1e-30)
+    assert torch.equal(dE16, dE) and dh016 is not None and torch.equal(dh016, dh0)
+
+
+def test_kernels_compile_for_sm90() -> None:
+    """The reverse scan lowers for sm_90 as the backward launches it, within the backward's spill bound
+    (``tests/triton/sm90.py``)."""
+    check_compiles("chunk.scan_bwd")
