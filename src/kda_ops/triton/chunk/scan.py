@@ -32,7 +32,7 @@ from torch import Tensor
 
 from kda_ops.common import state_dtype
 from kda_ops.triton.chunk.precision import Precision
-from kda_ops.triton.chunk.tiles import BT, col_mask, head_factors, scale_rows, store2, tile2
+from kda_ops.triton.chunk.tiles import BT, head_factors, scale_rows, state_tile, store2, tile2
 from kda_ops.triton.lang import mm, pdl_enter
 from kda_ops.triton.launch import (
     Launcher,
@@ -116,13 +116,7 @@ def chunk_state_kernel(
     eos = tl.load(cu + i_n + 1).to(tl.int64)
     c0 = tl.load(chunk_off + i_n).to(tl.int64)
     rows = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    m_k = col_mask(o_k, K, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = col_mask(o_v, V, BV)
-    m_s = m_k[:, None] & m_v[None, :]
-    p_s = o_k[:, None] * V + o_v[None, :]
-    s_off = (i_n.to(tl.int64) * HV + i_hv) * K * V
+    o_k, m_k, o_v, m_v, m_s, p_s, s_off = state_tile(i_n, i_hv, i_v, HV, K, V, BK, BV)
     if USE_INITIAL_STATE:
         S = tl.load(h0 + s_off + p_s, mask=m_s, other=0.0).to(DT)
     else:

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from kda_ops.triton.chunk.precision import exact_bf16
 from kda_ops.triton.chunk.scan import chunk_offsets, scan_block_v
-from kda_ops.triton.chunk.tiles import BT, col_mask, store2, tile2
+from kda_ops.triton.chunk.tiles import BT, col_mask, state_tile, store2, tile2
 from kda_ops.triton.lang import mm
 from kda_ops.triton.launch import cdiv, compute_dtype, contiguous, launch, poison, pow2
 
@@ -55,13 +55,7 @@ def chunk_bwd_scan_kernel(
     c0 = tl.load(chunk_off + i_n).to(tl.int64)
     rows = tl.arange(0, BT)
     m_r = col_mask(rows, BT, BT)
-    o_k = tl.arange(0, BK)
-    m_k = col_mask(o_k, K, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = col_mask(o_v, V, BV)
-    m_s = m_k[:, None] & m_v[None, :]
-    p_s = o_k[:, None] * V + o_v[None, :]
-    s_off = (i_n.to(tl.int64) * HV + i_hv) * K * V
+    o_k, m_k, o_v, m_v, m_s, p_s, s_off = state_tile(i_n, i_hv, i_v, HV, K, V, BK, BV)
     if USE_FINAL_STATE_GRADIENT:
         dS = tl.load(dht + s_off + p_s, mask=m_s, other=0.0).to(DT)  # [BK, BV]
     else:

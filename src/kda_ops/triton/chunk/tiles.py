@@ -127,3 +127,18 @@ def slot_rows(slot_start, slot_count, i_c, BT: tl.constexpr):
 def max2(x):
     """The largest element of a 2-D block (a scalar)."""
     return tl.max(tl.max(x, axis=1), axis=0)
+
+
+@triton.jit
+def state_tile(i_n, i_hv, i_v, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Value tile ``i_v`` of the state of sequence ``i_n``, value head ``i_hv`` in an ``[N, HV, K, V]`` tensor:
+    ``(o_k, m_k, o_v, m_v)`` its key and value offsets and masks, ``m_s, p_s [BK, BV]`` its mask and offsets within
+    one state, and ``s_off`` the state's offset."""
+    o_k = tl.arange(0, BK)
+    m_k = col_mask(o_k, K, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = col_mask(o_v, V, BV)
+    m_s = m_k[:, None] & m_v[None, :]
+    p_s = o_k[:, None] * V + o_v[None, :]
+    return o_k, m_k, o_v, m_v, m_s, p_s, (i_n.to(tl.int64) * HV + i_hv) * K * V
+
