@@ -151,7 +151,7 @@ def gpu(session: nox.Session) -> None:
     Nothing is installed: kda_ops is imported from src/. Without nox there, the same is
     ``PYTHONPATH=src python -m kda_ops && PYTHONPATH=src python -m pytest -m gpu tests``. Arguments after ``--``
     go to pytest: with pytest-xdist installed, ``nox -s gpu -- -n 8`` runs the GPU files in parallel processes
-    (114 tests in 126-172 s on the H200 against ~15 minutes in one process, 2026-11-30).
+    (a few minutes on the H200, against ~15 in one process).
     """
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     # a GPU job on a machine without a GPU would skip every test and pass: refuse instead

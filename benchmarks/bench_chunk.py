@@ -17,8 +17,8 @@ Accuracy: relative error (``||out - ref|| / ||ref||``) of o and of the final sta
 and fla at T = 1000, and ours at T = 32768 (the oracle runs per group of 4 heads).
 
 Options: ``--precision-sweep`` times and measures alternatives to the default per-product precision of bf16
-inputs (the numbers behind ``kda_ops/triton/chunk_common.py``); ``--sweep-bv`` times every value tile of the state
-scan (``kda_ops/triton/chunk_state.py``); ``--quick`` skips the T sweep and the T = 32768 error.
+inputs (the numbers behind ``kda_ops/triton/chunk/precision.py``); ``--sweep-bv`` times every value tile of the state
+scan (``kda_ops/triton/chunk/scan.py``); ``--quick`` skips the T sweep and the T = 32768 error.
 
 fla is imported from the environment, or from wheels given by ``--wheels`` (default: ``.whl/*.whl`` of the
 repository: fla_core-0.6.0 and einops), unpacked into a temporary folder at run time.

@@ -18,7 +18,7 @@ repository, e.g. fla_core-0.6.0 and einops), unpacked into a temporary folder at
 
 Usage: ``python benchmarks/bench_recurrent.py [--out FILE] [--sweep] [--backward]``. The markdown table comes last.
 ``--sweep`` times the serving step (graph-replayed) for every value tile / warp count, the numbers behind the fixed
-launch configuration in ``kda_ops/triton/recurrent.py``.
+launch configuration in ``kda_ops/triton/launch.py`` (``recurrent_config``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Launch configuration of every Triton kernel, and the pieces of host code that launch them.
 
 - :data:`LAUNCH` and :func:`launch`: the fixed configuration of each chunk stage kernel (no autotuning: a call never
-  tunes, and a CUDA-graph capture needs no warm-up beyond the compile); the recurrent kernels size theirs from the
-  head dimensions (:mod:`kda_ops.triton.recurrent.forward`, :mod:`~kda_ops.triton.recurrent.backward`).
+  tunes, and a CUDA-graph capture needs no warm-up beyond the compile); :func:`recurrent_config` and
+  :func:`recurrent_bwd_config` size the recurrent kernels' tiles and warps from the head dimensions.
 - :func:`pdl`: programmatic dependent launch where the GPU and the CUDA build have it.
 - :func:`jit_any_length`: ``triton.jit`` without specialisation on lengths and map views (one form for every
   batch and packing).
@@ -127,7 +127,7 @@ _get_raw_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
 
 # Launch configuration of each chunk stage kernel: fixed, chosen by measurement on the H200 (the sweeps are in
 # ``docs/experiments.md``), so that no call autotunes and a capture needs no warm-up beyond the compile. ``BK``/``BV``:
-# the key/value tile where the stage loops over tiles. Benchmarks override entries.
+# the key/value tile where the stage loops over tiles.
 LAUNCH: dict[str, dict[str, int]] = {
     # the anchor sums: BK 64 with 2 warps 0.140 ms at B1 T32768 H32 (4 warps 0.189)
     "sums": {"num_warps": 2, "num_stages": 1},

@@ -224,7 +224,7 @@ def chunk_solve(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(Tm, W, U)`` of every chunk slot: ``Tm [T, HV, BT]`` in the compute dtype, ``W [T, HV, K]`` and
     ``U [T, HV, V]`` in ``precision.store``. ``Mkk`` and ``Kt [T, HV, K]`` as from
-    :func:`~kda_ops.triton.chunk_intra.chunk_intra`; ``W`` is written over ``Kt`` (the returned ``W`` is ``Kt``).
+    :func:`chunk_intra`; ``W`` is written over ``Kt`` (the returned ``W`` is ``Kt``).
     ``v [T, HV, V]``, ``beta [T, HV]`` as given to the public function. ``store_tm=False`` (the forward) leaves
     ``Tm`` unwritten (and unallocated: an empty tensor); only the backward reads it."""
     T, HV, K = Kt.shape

@@ -98,7 +98,7 @@ def chunk_bwd_saved(
     saved: tuple[Tensor, ...],
 ) -> Grads:
     """The kernel of ``kda::chunk_bwd_saved``: :func:`chunk_bwd` on the factors that :func:`chunk_fwd_train` kept
-    (``saved = (Mqk, Qt, Kend, Gam_last, Tm, W, Hin, E, norms)``) instead of recomputing them."""
+    (``saved = (Mqk, Qt, Kend, Gl, Tm, W, Hin, E, norms)``) instead of recomputing them."""
     return _gradients(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts, saved)
 
 

@@ -123,7 +123,7 @@ def chunk_fwd_train(
     opts: Options,
     output_final_state: bool,
 ) -> tuple[Tensor, ...]:
-    """The kernel of ``kda::chunk_train``: ``(o, final_state, Mqk, Qt, Kend, Gam_last, Tm, W, Hin, E, norms)``.
+    """The kernel of ``kda::chunk_train``: ``(o, final_state, Mqk, Qt, Kend, Gl, Tm, W, Hin, E, norms)``.
 
     The forward of a training step that keeps what the backward reads (``docs/architecture.md``, "Chunk backward:
     what is saved"): the backward's own recompute (:func:`~kda_ops.triton.chunk.recompute.chunk_bwd_recompute`: the
