@@ -3,7 +3,8 @@
 Same call on both KDA sides: q, k, v bf16 ``[B, T, H, 128]`` with ``use_qk_l2norm_in_kernel=True``, g a
 precomputed fp32 log decay ``logsigmoid(randn)``, beta bf16 in [0, 1], ``output_final_state=True``, no initial
 state. SDPA (``torch.nn.functional.scaled_dot_product_attention``, causal) runs on the same q, k, v laid out as
-``[B, H, T, 128]``. Shapes: (B, T, H) in {(1, 32768, 32), (8, 4096, 32), (2, 16384, 16)} and a sweep over T at
+``[B, H, T, 128]``. Shapes: (B, T, H) in {(1, 32768, 32), (8, 4096, 32), (2, 16384, 16), (1, 32768, 8),
+(1, 32768, 4)} and a sweep over T at
 B * T = 32768, H = 32.
 
 Columns: GPU ms (``triton.testing.do_bench`` median, after a warm-up call that compiles and autotunes; L2 flushed
@@ -59,7 +60,8 @@ from kda_ops.testing import rel_err  # noqa: E402
 DEV = "cuda"
 D = 128  # K = V
 C = 64
-SHAPES = [(1, 32768, 32), (8, 4096, 32), (2, 16384, 16)]
+# the last two: few heads, where the split scan (sequence parallelism inside the card) runs
+SHAPES = [(1, 32768, 32), (8, 4096, 32), (2, 16384, 16), (1, 32768, 8), (1, 32768, 4)]
 SWEEP_T = [512, 1024, 2048, 4096, 8192, 16384, 32768]
 SWEEP_TOKENS, SWEEP_H = 32768, 32
 

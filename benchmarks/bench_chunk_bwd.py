@@ -3,7 +3,8 @@
 Same call on both KDA sides (``bench_chunk.py``'s inputs): q, k, v bf16 ``[B, T, H, 128]`` with
 ``use_qk_l2norm_in_kernel=True``, g = logsigmoid(randn) fp32, beta bf16 in [0, 1], ``output_final_state=True``;
 the backward with a random ``do`` (bf16) and ``dht`` (fp32). SDPA (causal) forward + backward on the same q, k, v
-as ``[B, H, T, 128]``. Shapes: (B, T, H) in {(1, 32768, 32), (8, 4096, 32), (2, 16384, 16)}.
+as ``[B, H, T, 128]``. Shapes: (B, T, H) in {(1, 32768, 32), (8, 4096, 32), (2, 16384, 16), (1, 32768, 8),
+(1, 32768, 4)}.
 
 Columns: GPU ms of forward + backward (``triton.testing.do_bench`` median after a compiling, autotuning call),
 peak memory above the inputs (``torch.cuda.max_memory_allocated`` minus what was allocated before the call, reset

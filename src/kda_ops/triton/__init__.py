@@ -31,9 +31,10 @@ KERNELS: dict[str, Callable[..., Any]] = {
 
 def chunk_forms(V: int) -> list[dict[str, Any]]:
     """Every form of the chunk forward a call with value head dimension ``V`` can launch, as :func:`force_forms`
-    arguments: each value tile of the scan, then the output stage's two forms."""
+    arguments: each value tile of the scan, the split scan (its passes at the smallest tile, for any segment
+    count), then the output stage's two forms."""
     scans: list[dict[str, Any]] = [{"scan_block_v": bv} for bv in block_v_choices(V)]
-    return [*scans, {"output_per_item": False}, {"output_per_item": True}]
+    return [*scans, {"scan_segments": 2}, {"output_per_item": False}, {"output_per_item": True}]
 
 
 __all__ = ["KERNELS", "chunk_forms", "force_forms"]

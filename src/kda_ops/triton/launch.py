@@ -135,6 +135,10 @@ LAUNCH: dict[str, dict[str, int]] = {
     "prepare": {"num_warps": 4, "num_stages": 1, "BK": 32, "BV": 64},
     "prepare_blocks": {"num_warps": 8, "num_stages": 1, "BK": 16, "BV": 64},
     "scan": {"num_warps": 8, "num_stages": 1},
+    # the split scan's passes: 4 warps let two programs share an SM (B1 T32768 H8 bf16: 0.991 ms at 8 segments,
+    # against 1.168 with 8 warps)
+    "scan_split": {"num_warps": 4, "num_stages": 1},
+    "segments": {"num_warps": 4, "num_stages": 1},
     # output: BV 128 with 16-bit states and K <= 128 (the output stage caps it at 64 elsewhere). There a program per
     # SM walks the (chunk slot, value tile, value head) items with its loop pipelined over 3 stages (152 registers,
     # 156 KB of shared memory): 0.385 ms at B1 T32768 H32 bf16, against 0.420 for a program per item.
@@ -216,7 +220,7 @@ def cdiv(a: int, b: int) -> int:
 # ``kda_ops.warmup`` on short inputs could compile inside a CUDA-graph capture. Neither is read in a way that
 # vectorizes (scalar slot bounds, one factor per row).
 jit_any_length = triton.jit(
-    do_not_specialize=["B", "T", "NC", "nch", "NI"],
+    do_not_specialize=["B", "T", "NC", "nch", "NI", "NSEG"],
     do_not_specialize_on_alignment=["slot_start", "slot_count", "cu", "chunk_off", "Nk", "Nq", "Nrm", "Rqk"],
 )
 
@@ -306,24 +310,32 @@ class Forms:
     scan_block_v:    the value tile of the chunk scan (:func:`~kda_ops.triton.chunk.scan.scan_block_v`)
     output_per_item: the chunk output stage's form: a program per item (True, the short-prompt form, CUDA only)
                      or a program per SM walking the items (False)
+    scan_segments:   segments per sequence of the chunk scans (:func:`~kda_ops.triton.chunk.scan.scan_segments`)
     """
 
     scan_block_v: int | None = None
     output_per_item: bool | None = None
+    scan_segments: int | None = None
 
 
 forced = Forms()
 
 
 @contextlib.contextmanager
-def force_forms(scan_block_v: int | None = None, output_per_item: bool | None = None) -> Iterator[None]:
+def force_forms(
+    scan_block_v: int | None = None, output_per_item: bool | None = None, scan_segments: int | None = None
+) -> Iterator[None]:
     """Launch the given forms inside the block (:func:`kda_ops.warmup` compiles each; tests and benchmarks run them)."""
     old = replace(forced)
-    forced.scan_block_v, forced.output_per_item = scan_block_v, output_per_item
+    forced.scan_block_v, forced.output_per_item, forced.scan_segments = scan_block_v, output_per_item, scan_segments
     try:
         yield
     finally:
-        forced.scan_block_v, forced.output_per_item = old.scan_block_v, old.output_per_item
+        forced.scan_block_v, forced.output_per_item, forced.scan_segments = (
+            old.scan_block_v,
+            old.output_per_item,
+            old.scan_segments,
+        )
 
 
 _CPU = torch.device("cpu")

@@ -67,18 +67,19 @@ def used(slots: Any) -> torch.Tensor:
 
 
 def stage_case(dtype: torch.dtype, gates: str = "normal", option: str = "plain", H: int = 1, HV: int = 2,
-               K: int = 20, V: int = 12, device: torch.device = CPU) -> dict[str, Any]:  # fmt: skip
-    """Flat inputs ``[T, ...]`` over the packed batch CU_STAGES, options, slot map and the prepared float64
-    inputs."""
+               K: int = 20, V: int = 12, device: torch.device = CPU,
+               cu_seqlens: list[int] = CU_STAGES) -> dict[str, Any]:  # fmt: skip
+    """Flat inputs ``[T, ...]`` over the packed batch ``cu_seqlens`` (CU_STAGES), options, slot map and the prepared
+    float64 inputs."""
     make_opts, call_opts = OPTIONS[option]
-    x = make_inputs(1, CU_STAGES[-1], H, K, V, HV=HV, dtype=dtype, seed=3, device=device, **make_opts)
+    x = make_inputs(1, cu_seqlens[-1], H, K, V, HV=HV, dtype=dtype, seed=3, device=device, **make_opts)
     set_gates(x["g"], gates)
     opts = options(call_opts)
     A_log = call_opts.get("A_log", x.get("A_log"))
     dt_bias = call_opts.get("dt_bias", x.get("dt_bias"))
     flat = {n: x[n][0] for n in ("q", "k", "v", "g", "beta")}
-    cu = torch.tensor(CU_STAGES, dtype=torch.int64, device=device)
-    slots = chunk_slots(cu, CU_STAGES[-1], BT)
+    cu = torch.tensor(cu_seqlens, dtype=torch.int64, device=device)
+    slots = chunk_slots(cu, cu_seqlens[-1], BT)
     qp, kp, gp, bp = oracle_prepare_flat(flat["q"], flat["k"], flat["g"], flat["beta"], A_log, dt_bias, opts, F64)
     prepared = {"q": qp, "k": kp, "g": gp, "beta": bp, "v": flat["v"].double()}
     return {"flat": flat, "opts": opts, "A_log": A_log, "dt_bias": dt_bias, "cu": cu, "slots": slots, "p": prepared,

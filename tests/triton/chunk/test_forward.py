@@ -117,6 +117,13 @@ def test_forward_tiled_values() -> None:
         _compare(x, h0=make_state(1, 2, 16, 40), tol=1e-5)
 
 
+def test_forward_split_scan() -> None:
+    """The forward with its scan split into 3 segments per sequence (of 4 chunks, every option)."""
+    x = _case("all", 2, 250, 1, 16, 16, HV=2)
+    with force_forms(scan_segments=3):
+        _compare(x, h0=make_state(2, 2, 16, 16), tol=1e-5)
+
+
 def test_staged_pipeline_equals_fused() -> None:
     cu = torch.tensor(CU_STAGES, dtype=torch.int64)
     x = _case("all", 1, CU_STAGES[-1], 1, 20, 12, HV=2, gates="reset")

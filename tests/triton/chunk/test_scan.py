@@ -22,9 +22,10 @@ pytestmark = [*OVERFLOW_WARNINGS, pytest.mark.usefixtures("triton_path")]
 
 
 @pytest.mark.parametrize("x_form", [False, True], ids=["E_form", "X_form"])
-@pytest.mark.parametrize("tiles", [None, 16])
-def test_stage_scan(tiles: int | None, x_form: bool, device: torch.device) -> None:
-    """The scan alone (states and errors stored). In the X form (the forward's: ``Kt, V, Kb`` in, ``X`` out) the
+@pytest.mark.parametrize(("tiles", "segments"), [(None, None), (16, None), (None, 3), (16, 2)])
+def test_stage_scan(tiles: int | None, segments: int | None, x_form: bool, device: torch.device) -> None:
+    """The scan alone (states and errors stored), plain or split into ``segments`` per sequence (some of them
+    empty: the sequences have 0 to 4 chunks). In the X form (the forward's: ``Kt, V, Kb`` in, ``X`` out) the
     states and the final state are those of the E form's oracle, and ``X`` that of the oracle scan on the X form's
     factors."""
     c = stage_case(torch.float32, "reset", "l2norm", V=24, device=device)
@@ -37,7 +38,34 @@ def test_stage_scan(tiles: int | None, x_form: bool, device: torch.device) -> No
     W, U, Kend = ("Kt", "V", "Kb") if x_form else ("W", "U", "Kend")
     f32 = {n: t.float() for n, t in fa.items()}
     final = torch.empty(N, HV, K, V, device=device)
-    with force_forms(scan_block_v=tiles):
+    with force_forms(scan_block_v=tiles, scan_segments=segments):
+        Hin, E = chunk_state(f32[W], f32[U], f32[Kend], f32["Gl"], h0, c["cu"], stage_precision(device), final=final,
+                             x_form=x_form)  # fmt: skip
+    u = used(c["slots"])
+    assert_rel(Hin[u], Hin_r[u], 1e-5, "Hin")
+    assert_rel(E, E_r, 1e-5, "X" if x_form else "E")
+    assert_rel(final, final_r, 1e-5, "final")
+    assert torch.equal(final[1], h0[1]), "an empty sequence keeps its initial state"
+
+
+# sequences of 7, 0, 3 and 1 chunks (the last partial): segments of 1 to 3 chunks, empty ones at 4 segments
+CU_SPLIT = [0, 448, 448, 640, 670]
+
+
+@pytest.mark.parametrize("x_form", [False, True], ids=["E_form", "X_form"])
+@pytest.mark.parametrize("segments", [2, 4])
+def test_split_scan(segments: int, x_form: bool, device: torch.device) -> None:
+    """The split scan (segments scanned from a zero state, their maps combined, each finished from its true initial
+    state) equals the oracle scan over whole sequences."""
+    c = stage_case(torch.float32, "normal", "l2norm", V=24, device=device, cu_seqlens=CU_SPLIT)
+    fa = factors(c)
+    N, HV, K, V = len(CU_SPLIT) - 1, 2, 20, 24
+    h0 = make_state(N, HV, K, V, device=device)
+    W, U, Kend = ("Kt", "V", "Kb") if x_form else ("W", "U", "Kend")
+    Hin_r, E_r, final_r = oracle_scan(fa[W], fa[U], fa[Kend], fa["Gl"], h0.double(), c["slots"], BT)
+    f32 = {n: t.float() for n, t in fa.items()}
+    final = torch.empty(N, HV, K, V, device=device)
+    with force_forms(scan_segments=segments):
         Hin, E = chunk_state(f32[W], f32[U], f32[Kend], f32["Gl"], h0, c["cu"], stage_precision(device), final=final,
                              x_form=x_form)  # fmt: skip
     u = used(c["slots"])
@@ -51,3 +79,14 @@ def test_kernels_compile_for_sm90() -> None:
     """The scan kernel lowers for sm_90, as the forward and the backward's recompute launch it
     (``tests/triton/sm90.py``)."""
     check_compiles("chunk.scan")
+
+
+@pytest.mark.parametrize(("HV", "T", "segments"), [(4, 32768, 16), (8, 32768, 8), (16, 32768, 4), (32, 32768, 1),
+                                                   (4, 1024, 1), (4, 4096, 4)])  # fmt: skip
+def test_segment_rule(HV: int, T: int, segments: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The split scan's host rule on a 132-SM card (one sequence, V = 128): segments where the plain scan's programs
+    leave SMs idle, a power of two, none shorter than 16 chunks."""
+    import kda_ops.triton.chunk.scan as scan_module
+
+    monkeypatch.setattr(scan_module, "num_sms", lambda device: 132)
+    assert scan_module.scan_segments(1, HV, T, 128, torch.device("cpu")) == segments

@@ -21,6 +21,13 @@ fused against 0.84 + 0.49 for the scan and the output stage apart).
 
 Value tiles: the programs are independent across ``V``, so ``BV`` trades parallelism (``N * HV * V / BV`` programs
 for the machine's SMs) against re-reading ``W`` and ``Kend`` once per tile (from L2).
+
+The split scan (``docs/math.md``, "Segments: the split scan"): where even the smallest tile leaves SMs idle (few
+sequences and heads, long sequences), each sequence is cut into :func:`scan_segments` segments, a static count from
+``N``, ``HV``, ``T`` and the SM count, their chunk ranges found on the device from ``cu_seqlens``. The same kernel
+runs the segments' maps from a zero state (``PHASE`` 1: ``[B | M]``, over the value and the identity's columns),
+:func:`segment_states_kernel` combines them in order, and the kernel finishes each segment from its true initial
+state (``PHASE`` 2); ``PHASE`` 0 is the plain scan.
 """
 
 from __future__ import annotations
@@ -63,6 +70,30 @@ def block_v_choices(V: int) -> list[int]:
     return [bv for bv in BV_CHOICES if bv <= pow2(V)] or [BV_CHOICES[-1]]
 
 
+# The split scan (sequence parallelism inside the card) when the plain scan's programs leave SMs idle: each sequence
+# in segments of at least MIN_SEGMENT_CHUNKS chunks, enough of them for SEGMENT_PROGRAMS_PER_SM programs per SM in
+# the finishing pass: two, as two 4-warp programs share an SM (the forward at B1 T32768 bf16 on an H200: H4 0.607 ms
+# at 16 segments, H8 1.018 at 8, against 1.239 and 1.455 unsplit).
+MIN_SEGMENT_CHUNKS = 16
+SEGMENT_PROGRAMS_PER_SM = 2.0
+
+
+def scan_segments(N: int, HV: int, T: int, V: int, device: torch.device) -> int:
+    """Segments per sequence of the scan over ``N`` sequences of ``T`` tokens in all (``HV`` value heads of ``V``
+    columns): 1 (the plain scan) when its programs fill the machine, else up to what fills it at the smallest value
+    tile, each segment at least :data:`MIN_SEGMENT_CHUNKS` chunks of the average sequence, rounded down to a power
+    of two."""
+    if forced.scan_segments is not None:
+        return forced.scan_segments
+    sms = num_sms(device)
+    programs = N * HV * cdiv(V, block_v_choices(V)[-1])
+    if programs == 0 or programs >= MIN_PROGRAMS_PER_SM * sms:
+        return 1
+    n = min(cdiv(int(SEGMENT_PROGRAMS_PER_SM * sms), programs), T // (N * BT * MIN_SEGMENT_CHUNKS))
+    # a power of two: 16 segments of 32 chunks at B1 T32768 H4, not 17 of 31 and a short one
+    return 1 << (n.bit_length() - 1) if n > 1 else 1
+
+
 def scan_block_v(V: int, programs: int, device: torch.device) -> int:
     """The value tile of the scan: the largest of :func:`block_v_choices` that keeps enough programs."""
     if forced.scan_block_v is not None:
@@ -99,47 +130,74 @@ def scan_tiles(W, U, Kend, Gl, Nk, tok, eos, c0, j, n_chunks, i_hv, HV, T, o_k, 
 
 @jit_any_length
 def chunk_state_kernel(
-    W, U, Kend, Gl, h0, final, Hin, E, Nk, cu, chunk_off, HV, T,
+    W, U, Kend, Gl, h0, final, Hin, E, Nk, cu, chunk_off, MB, HV, T, NSEG,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, PREC_SCAN: tl.constexpr, DT: tl.constexpr,
-    NORMS: tl.constexpr, X_FORM: tl.constexpr, PDL: tl.constexpr,
+    NORMS: tl.constexpr, X_FORM: tl.constexpr, PHASE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(PDL)
     # one grid axis (the others stop at 65535), value tiles of one head adjacent: they share W and Kend in L2
     NV: tl.constexpr = (V + BV - 1) // BV
+    # PHASE 1 also runs the identity's columns (the segment's map M, over K) after the value tiles (its B)
+    NTILE: tl.constexpr = NV + (K + BV - 1) // BV if PHASE == 1 else NV
+    if PHASE == 1:
+        NS = NSEG - 1
+    else:
+        NS = NSEG
     pid = tl.program_id(0)
-    i_nh = pid // NV
-    i_v = pid % NV
-    i_n = i_nh // HV
+    i_v = pid % NTILE
+    i_nh = pid // NTILE
     i_hv = i_nh % HV
+    i_ns = i_nh // HV
+    i_s = i_ns % NS
+    i_n = i_ns // NS
     bos = tl.load(cu + i_n).to(tl.int64)
     eos = tl.load(cu + i_n + 1).to(tl.int64)
     c0 = tl.load(chunk_off + i_n).to(tl.int64)
     rows = tl.arange(0, BT)
     o_k, m_k, o_v, m_v, m_s, p_s, s_off = state_tile(i_n, i_hv, i_v, HV, K, V, BK, BV)
-    if USE_INITIAL_STATE:
-        S = tl.load(h0 + s_off + p_s, mask=m_s, other=0.0).to(DT)
-    else:
-        S = tl.zeros((BK, BV), dtype=DT)
     n_chunks = tl.cdiv(eos - bos, BT).to(tl.int32)
+    if PHASE != 0:  # segment i_s: chunks [j0, j0 + L) of the sequence's n_chunks
+        L = tl.cdiv(n_chunks, NSEG)
+        j0 = tl.minimum(i_s * L, n_chunks)
+        n_chunks = tl.minimum(L, n_chunks - j0)
+        bos += j0 * BT
+        c0 += j0
+    if PHASE == 1:
+        # from a zero state: the value tiles give the segment's B, the identity's columns o_m its M
+        o_m = (i_v - NV) * BV + tl.arange(0, BV)
+        # (o_m < 0 on the value tiles; vector conditions: triton 3.9's interpreter rejects a mask of tensor & scalar)
+        S = (o_k[:, None] == o_m[None, :]).to(DT)
+        m_u = m_v & (o_m < 0)
+    elif PHASE == 2:  # from the segment's true initial state, combined by segment_states_kernel
+        S = tl.load(h0 + ((i_n * NSEG + i_s) * HV + i_hv) * K * V + p_s, mask=m_s, other=0.0).to(DT)
+        m_u = m_v
+    else:
+        if USE_INITIAL_STATE:
+            S = tl.load(h0 + s_off + p_s, mask=m_s, other=0.0).to(DT)
+        else:
+            S = tl.zeros((BK, BV), dtype=DT)
+        m_u = m_v
     # The next chunk's tiles load while this chunk's products run (registers, no compiler pipelining); not two chunks
     # ahead, which takes more registers: the scan at B1 T32768 H32 bf16 on an H200 0.842 ms against 0.988.
     tok = bos + rows
     m = tok < eos
-    w, u, ke, gl, nk = scan_tiles(W, U, Kend, Gl, Nk, tok, eos, c0, 0, n_chunks, i_hv, HV, T, o_k, m_k, o_v, m_v, K, V,
+    w, u, ke, gl, nk = scan_tiles(W, U, Kend, Gl, Nk, tok, eos, c0, 0, n_chunks, i_hv, HV, T, o_k, m_k, o_v, m_u, K, V,
                                   BT, DT, NORMS)  # fmt: skip
     for j in range(n_chunks):
         c = c0 + j
         w_n, u_n, ke_n, gl_n, nk_n = scan_tiles(W, U, Kend, Gl, Nk, tok + BT, eos, c0, j + 1, n_chunks, i_hv, HV, T,
-                                                o_k, m_k, o_v, m_v, K, V, BT, DT, NORMS)  # fmt: skip
+                                                o_k, m_k, o_v, m_u, K, V, BT, DT, NORMS)  # fmt: skip
         # the state's store first, U as stored until its use: the scan at B1 T32768 H32 bf16 on an H200 0.886 ->
         # 0.862 ms
-        tl.store(Hin + (c * HV + i_hv) * K * V + p_s, S.to(Hin.dtype.element_ty), mask=m_s)
+        if PHASE != 1:
+            tl.store(Hin + (c * HV + i_hv) * K * V + p_s, S.to(Hin.dtype.element_ty), mask=m_s)
         if X_FORM:  # X = V - diag(nk) Kt S;  S' = exp(Gam_last) S + Kb^T X
             Ec = u.to(DT) - scale_rows(mm(w, S, PREC_SCAN, DT), nk, NORMS)
         else:  # E = U - W S;  S' = exp(Gam_last) S + Kend^T diag(nk) E
             Ec = u.to(DT) - mm(w, S, PREC_SCAN, DT)
-        store2(E + i_hv * V, tok, m, HV * V, o_v, m_v, Ec)
+        if PHASE != 1:
+            store2(E + i_hv * V, tok, m, HV * V, o_v, m_v, Ec)
         if X_FORM:
             S = S * tl.exp(gl)[:, None] + mm(tl.trans(ke), Ec, PREC_SCAN, DT)
         else:
@@ -147,8 +205,52 @@ def chunk_state_kernel(
         tok += BT
         m = tok < eos
         w, u, ke, gl, nk = w_n, u_n, ke_n, gl_n, nk_n
-    if STORE_FINAL_STATE:
-        tl.store(final + s_off + p_s, S.to(final.dtype.element_ty), mask=m_s)
+    if PHASE == 1:  # [B | M] of the segment, [K, V + K]
+        o_c = tl.where(o_m < 0, o_v, V + o_m)
+        m_c = tl.where(o_m < 0, m_v, o_m < K)
+        p = MB + ((i_n * NS + i_s) * HV + i_hv) * K * (V + K) + o_k[:, None] * (V + K) + o_c[None, :]
+        tl.store(p, S.to(MB.dtype.element_ty), mask=m_k[:, None] & m_c[None, :])
+    elif STORE_FINAL_STATE:  # by the last segment
+        tl.store(final + s_off + p_s, S.to(final.dtype.element_ty), mask=m_s & (p_s * 0 + i_s == NS - 1))
+
+
+@jit_any_length
+def segment_states_kernel(
+    MB, h0, Sin, HV, NSEG, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """The state entering each segment, in order: ``S_in[0] = h0``, ``S_in[s + 1] = M[s] S_in[s] + B[s]`` (one
+    program per sequence, value head and value tile; ``M S`` in ``BKC``-wide key blocks, ``S`` read back from
+    ``Sin``). ``PREC`` exact (``"ieee"``): an empty segment (``M = I``, ``B = 0``: the sequence has fewer chunks
+    than segments) passes its state on unchanged; 3xTF32 would round it, for 1% of the forward at B1 T32768 H8 bf16
+    on an H200 (0.992 against 1.018 ms)."""
+    pdl_enter(PDL)
+    NV: tl.constexpr = (V + BV - 1) // BV
+    pid = tl.program_id(0)
+    i_v = pid % NV
+    i_hv = (pid // NV) % HV
+    i_n = pid // NV // HV
+    o_k, m_k, o_v, m_v, m_s, p_s, s_off = state_tile(i_n, i_hv, i_v, HV, K, V, BK, BV)
+    if USE_INITIAL_STATE:
+        S = tl.load(h0 + s_off + p_s, mask=m_s, other=0.0).to(DT)
+    else:
+        S = tl.zeros((BK, BV), dtype=DT)
+    o_b = tl.arange(0, BKC)
+    for s in range(NSEG):
+        tl.store(Sin + ((i_n * NSEG + s) * HV + i_hv) * K * V + p_s, S.to(Sin.dtype.element_ty), mask=m_s)
+        if s < NSEG - 1:
+            mb = MB + ((i_n * (NSEG - 1) + s) * HV + i_hv) * K * (V + K)
+            S = tl.load(mb + o_k[:, None] * (V + K) + o_v[None, :], mask=m_s, other=0.0).to(DT)
+            # the state just stored, visible to every thread of the program
+            tl.debug_barrier()
+            sin = Sin + ((i_n * NSEG + s) * HV + i_hv) * K * V
+            for kb in range(0, K, BKC):
+                m_b = (kb + o_b) < K
+                Mb = tl.load(mb + o_k[:, None] * (V + K) + V + kb + o_b[None, :], mask=m_k[:, None] & m_b[None, :],
+                             other=0.0).to(DT)  # fmt: skip
+                Sb = tl.load(sin + (kb + o_b)[:, None] * V + o_v[None, :], mask=m_b[:, None] & m_v[None, :],
+                             other=0.0).to(DT)  # fmt: skip
+                S += mm(Mb, Sb, PREC, DT)
 
 
 def chunk_offsets(cu: Tensor) -> Tensor:
@@ -196,19 +298,48 @@ def chunk_state(
     Hin = W.new_empty(NC, HV, K, V, dtype=dt)
     E = W.new_empty(T, HV, V, dtype=dt)
     poison(Hin, E)
-    BV = scan_block_v(V, N * HV, W.device)
     offsets = chunk_offsets(cu) if offsets is None else offsets
+    nseg = scan_segments(N, HV, T, V, W.device)
+    BV = scan_block_v(V, N * HV, W.device) if nseg == 1 else forced.scan_block_v or block_v_choices(V)[-1]
+    DT = compute_dtype(Gl)
+    args = (contiguous(W), contiguous(U), contiguous(Kend), Gl)
+    rest = (None if norms is None else norms[1], cu, offsets)
+    meta = dict(K=K, V=V, BK=pow2(K), BV=BV, BT=BT, STORE_FINAL_STATE=final is not None, PREC_SCAN=precision.scan,
+                DT=DT, NORMS=norms is not None, X_FORM=x_form, **launch("scan"), **pdl(W.device))  # fmt: skip
+    if nseg == 1:
+        _launch_scan(
+            (N * HV * cdiv(V, BV),),
+            (*args, h0, final, Hin, E, *rest, None, HV, T, 1),
+            dict(meta, USE_INITIAL_STATE=h0 is not None, PHASE=0),
+        )
+        return Hin, E
+    # the split scan: each segment's map (M, B) from a zero state; the state entering each segment, in order; each
+    # segment's chunks from that state
+    sdt = state_dtype(Gl)
+    MB = W.new_empty(N * (nseg - 1), HV, K, V + K, dtype=sdt)
+    Sin = W.new_empty(N * nseg, HV, K, V, dtype=sdt)
+    poison(MB, Sin)
+    meta.update(launch("scan_split"))
     _launch_scan(
+        (N * (nseg - 1) * HV * (cdiv(V, BV) + cdiv(K, BV)),),
+        (*args, None, None, Hin, E, *rest, MB, HV, T, nseg),
+        dict(meta, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, PHASE=1),
+    )
+    _launch_segments(
         (N * HV * cdiv(V, BV),),
-        (contiguous(W), contiguous(U), contiguous(Kend), Gl, h0, final, Hin, E,
-         None if norms is None else norms[1], cu, offsets, HV, T),
-        dict(K=K, V=V, BK=pow2(K), BV=BV, BT=BT, USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=final is not None,
-             PREC_SCAN=precision.scan, DT=compute_dtype(Gl), NORMS=norms is not None, X_FORM=x_form,
-             **launch("scan"), **pdl(W.device)),
+        (MB, h0, Sin, HV, nseg),
+        dict(K=K, V=V, BK=pow2(K), BV=BV, BKC=min(32, pow2(K)), USE_INITIAL_STATE=h0 is not None, PREC="ieee", DT=DT,
+             **launch("segments"), **pdl(W.device)),
     )  # fmt: skip
+    _launch_scan(
+        (N * nseg * HV * cdiv(V, BV),),
+        (*args, Sin, final, Hin, E, *rest, None, HV, T, nseg),
+        dict(meta, USE_INITIAL_STATE=True, PHASE=2),
+    )
     return Hin, E
 
 
 _launch_scan = Launcher(chunk_state_kernel)
+_launch_segments = Launcher(segment_states_kernel)
 
-__all__ = ["block_v_choices", "chunk_offsets", "chunk_state", "scan_block_v"]
+__all__ = ["block_v_choices", "chunk_offsets", "chunk_state", "scan_block_v", "scan_segments"]
