@@ -26,13 +26,16 @@ ROOT = Path(__file__).parent
 TORCH = "2.13.0"
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
-# (torch, triton, numpy pin): triton <= 3.6's interpreter breaks with numpy >= 2.4. The last row checks that the
-# package and its tests run without triton at all.
+# (torch, triton, numpy pin, whole suite): triton <= 3.6's interpreter breaks with numpy >= 2.4. The last row checks
+# that the package and its tests run without triton at all. The whole suite runs on triton 3.6 (the GPU's) and
+# without triton; the other triton rows leave out the tests marked ``slow`` (the sweeps over options and gates of one
+# stage, gradcheck, compiled training steps), which keeps every kernel family under the interpreter and every
+# sm_90 compile check: on a 2-core machine such a row takes ~2 min of tests, the whole suite ~7.
 MATRIX = [
-    nox.param(TORCH, "3.6.0", "numpy<2.4", id="torch2.13-triton3.6"),
-    nox.param(TORCH, "3.7.1", "numpy", id="torch2.13-triton3.7"),
-    nox.param(TORCH, "3.9.0", "numpy", id="torch2.13-triton3.9"),
-    nox.param(TORCH, None, None, id="torch2.13-no-triton"),
+    nox.param(TORCH, "3.6.0", "numpy<2.4", True, id="torch2.13-triton3.6"),
+    nox.param(TORCH, "3.7.1", "numpy", False, id="torch2.13-triton3.7"),
+    nox.param(TORCH, "3.9.0", "numpy", False, id="torch2.13-triton3.9"),
+    nox.param(TORCH, None, None, True, id="torch2.13-no-triton"),
 ]
 
 
@@ -74,9 +77,10 @@ def _install_package(session: nox.Session, target: str = ".") -> None:
 
 
 @nox.session
-@nox.parametrize(("torch", "triton", "numpy"), MATRIX)
-def tests(session: nox.Session, torch: str, triton: str | None, numpy: str | None) -> None:
-    """The test suite on the CPU: reference kernels, ops, compile/export, and Triton kernels under the interpreter."""
+@nox.parametrize(("torch", "triton", "numpy", "whole"), MATRIX)
+def tests(session: nox.Session, torch: str, triton: str | None, numpy: str | None, whole: bool) -> None:
+    """The test suite on the CPU: reference kernels, ops, compile/export, and Triton kernels under the interpreter
+    (without the ``slow`` tests where ``whole`` is False)."""
     session.install(*_torch(torch))
     session.install("pytest", "pytest-xdist", *([f"triton=={triton}"] if triton else []), *([numpy] if numpy else []))
     _install_package(session)
@@ -88,7 +92,10 @@ def tests(session: nox.Session, torch: str, triton: str | None, numpy: str | Non
         )
     # one worker per core (at most 4): the interpreter runs each test on one core, and CI has two
     workers = ["-n", str(min(4, os.cpu_count() or 1))]
-    session.run("python", "-m", "pytest", "-q", *workers, "tests", *session.posargs, env={"TRITON_INTERPRET": "1"})
+    select = [] if whole else ["-m", "not slow"]
+    session.run(
+        "python", "-m", "pytest", "-q", *workers, *select, "tests", *session.posargs, env={"TRITON_INTERPRET": "1"}
+    )
 
 
 @nox.session

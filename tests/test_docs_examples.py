@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
+# the compiled training step of a KDALayer: about a minute under the interpreter
+SLOW = {"compile.md-0"}
 BLOCKS = [
-    pytest.param(code, id=f"{page}-{i}")
+    pytest.param(code, id=f"{page}-{i}", marks=[pytest.mark.slow] if f"{page}-{i}" in SLOW else [])
     for page in ("compile.md", "serving.md")
     for i, code in enumerate(re.findall(r"```python\n(.*?)```", (DOCS / page).read_text(), re.S))
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kda_ops.nn import KDALayer
@@ -26,6 +27,7 @@ def test_layer_schedules_agree_and_carry_state() -> None:
     torch.testing.assert_close(s8, s, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_compiled_training_step_equals_eager_and_learns() -> None:
     torch._dynamo.reset()
     torch.manual_seed(0)

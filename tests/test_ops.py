@@ -83,6 +83,7 @@ def test_opcheck_backward(op: str) -> None:
     torch.library.opcheck(getattr(torch.ops.kda, op).default, args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("varlen", [False, True])
 def test_gradcheck(schedule: str, varlen: bool) -> None:
@@ -128,6 +129,7 @@ def test_backward_from_one_output_alone(schedule: str) -> None:
             torch.testing.assert_close(a, b, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_compile_fullgraph_forward_backward(schedule: str) -> None:
     torch._dynamo.reset()

@@ -48,8 +48,8 @@ def _case(option: str, gates: str, dtype: torch.dtype, HV: int, packed: bool, se
 @pytest.mark.parametrize(
     ("option", "gates", "dtype", "HV", "packed"),
     [
-        ("plain", "reset", torch.float32, 2, True),
-        ("all", "normal", torch.float32, 4, True),
+        pytest.param("plain", "reset", torch.float32, 2, True, marks=pytest.mark.slow),
+        pytest.param("all", "normal", torch.float32, 4, True, marks=pytest.mark.slow),
         ("lower_bound", "normal", torch.float32, 2, False),
         ("lower_bound_no_A", "zero", torch.float32, 1, True),
         ("gate_no_dt_bias", "normal", torch.float32, 1, False),
@@ -80,6 +80,7 @@ def test_chunk_bwd_kernel_matches_reference(option: str, gates: str, dtype: torc
             assert_rel(a, b, tol, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("option", "gates", "HV"), [("all", "reset", 2), ("lower_bound", "normal", 4)])
 def test_autograd_matches_naive(option: str, gates: str, HV: int) -> None:
     """torch.autograd through kda_ops.chunk_kda (forward and backward in Triton) against autograd of the float64
@@ -109,6 +110,7 @@ def test_autograd_matches_naive(option: str, gates: str, HV: int) -> None:
     assert_rel(h0.grad, h0d.grad, 2e-4, "dh0")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("option", "dtype", "packed"), [("all", torch.float32, True), ("plain", torch.float16, False)])
 def test_training_pair_keeps_what_the_recompute_makes(option: str, dtype: torch.dtype, packed: bool) -> None:
     """``kda::chunk_train`` + ``kda::chunk_bwd_saved`` (the default where autograd records a call) against
@@ -172,6 +174,7 @@ def test_no_tokens(recompute: bool) -> None:
         assert all(xs[name].grad is not None and xs[name].grad.shape == x[name].shape for name in xs)
 
 
+@pytest.mark.slow
 def test_compile_training_pair_dynamic_shapes() -> None:
     """A training step through ``torch.compile(fullgraph=True, dynamic=True)`` (the training pair's fake functions
     with symbolic T): loss and gradients equal to eager at two lengths, 0 graph breaks."""
@@ -200,6 +203,7 @@ def test_compile_training_pair_dynamic_shapes() -> None:
     assert torch._dynamo.explain(step)(*xs, h0).graph_break_count == 0
 
 
+@pytest.mark.slow
 def test_gradcheck_training_pair() -> None:
     """``torch.autograd.gradcheck`` (float64, fast mode) through ``chunk_kda``'s training pair with every option,
     packed sequences (an empty one) and an initial state: the kept factors' backward is the forward's derivative."""
@@ -219,6 +223,7 @@ def test_gradcheck_training_pair() -> None:
     assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-5, fast_mode=True)
 
 
+@pytest.mark.slow
 def test_opcheck_training_pair() -> None:
     """``torch.library.opcheck`` of ``kda::chunk_train`` (inputs requiring grad: its autograd) and of
     ``kda::chunk_bwd_saved`` on the factors it kept, under the interpreter."""

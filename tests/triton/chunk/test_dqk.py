@@ -50,6 +50,7 @@ def test_stage_dqk(gates: str, device: torch.device) -> None:
         assert_rel(a, b, tol, name)
 
 
+@pytest.mark.slow
 def test_stage_dqk_block_pass_equals_anchored_pass(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the anchored span below 0 the first pass flags every chunk and the block pass computes them all: the
     same gradients as the anchored pass (two fp32 factorings of the same decays)."""

@@ -87,6 +87,7 @@ def test_forward_varlen_gva_odd_dims() -> None:
     assert torch.equal(s[1], h0[1]), "an empty sequence keeps its initial state"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gates", ["reset", "zero", "strong"])
 def test_forward_extreme_gates(gates: str) -> None:
     """Hard resets (g = -1000), no decay, and blocks beyond the factored span: nothing overflows or leaks."""
@@ -124,6 +125,7 @@ def test_forward_split_scan() -> None:
         _compare(x, h0=make_state(2, 2, 16, 16), tol=1e-5)
 
 
+@pytest.mark.slow
 def test_staged_pipeline_equals_fused() -> None:
     cu = torch.tensor(CU_STAGES, dtype=torch.int64)
     x = _case("all", 1, CU_STAGES[-1], 1, 20, 12, HV=2, gates="reset")

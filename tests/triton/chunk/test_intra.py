@@ -30,6 +30,7 @@ pytestmark = [*OVERFLOW_WARNINGS, pytest.mark.usefixtures("triton_path")]
         (torch.float16, "normal", "neg_eigval"),
     ],
 )
+@pytest.mark.slow
 def test_stage_intra(dtype: torch.dtype, gates: str, option: str, device: torch.device) -> None:
     c = stage_case(dtype, gates, option, device=device)
     f, p = c["flat"], c["p"]
@@ -54,6 +55,7 @@ def test_stage_intra(dtype: torch.dtype, gates: str, option: str, device: torch.
     ],
     ids=["pairwise_path_equals_factored", "block_pass_equals_anchored_pass"],
 )
+@pytest.mark.slow
 def test_stage_intra_paths_agree(span: str, names: tuple[str, ...], tol: float, device: torch.device,
                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """Switching a factoring off (its span limit below 0) sends the chunks down the other path: same matrices."""

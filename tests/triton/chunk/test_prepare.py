@@ -27,6 +27,7 @@ pytestmark = [*OVERFLOW_WARNINGS, pytest.mark.usefixtures("triton_path")]
     ("gates", "option", "tol"),
     [("normal", "plain", 5e-5), ("normal", "l2norm", 1e-5), ("reset", "all", 1e-5), ("first_row", "l2norm", 1e-5)],
 )
+@pytest.mark.slow
 def test_stage_prepare(gates: str, option: str, tol: float, device: torch.device) -> None:
     """The fused stages 1-3 against each stage's float64 oracle in their two uses, every output poisoned first: the
     backward's recompute (``chunk_prepare_recompute`` on the inputs after the options, the l2norm factors given:
@@ -67,6 +68,7 @@ def test_stage_prepare(gates: str, option: str, tol: float, device: torch.device
     assert_rel(x.Gl[u], Gl[u], 1e-5, "Gam_last")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gates", ["reset", "strong"])
 def test_block_pass_flag_loop_over_blocks_and_programs(gates: str, device: torch.device,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
