@@ -3,7 +3,7 @@
 
 - ``kda_ops.reference`` (the oracle) and ``kda_ops.triton`` (the kernels) never import each other: the tests compare
   the two, and a kernel that borrowed the oracle's code would be checked against itself;
-- only ``kda_ops/__init__.py``, ``kda_ops/warmup.py``, ``kda_ops/nn.py`` and ``kda_ops/__main__.py`` import
+- only ``kda_ops/__init__.py``, ``kda_ops/_warmup.py``, ``kda_ops/nn.py`` and ``kda_ops/__main__.py`` import
   ``kda_ops.api`` (the public functions sit on top of everything else);
 - nothing under ``kda_ops.triton`` or ``kda_ops.reference`` imports ``kda_ops.ops`` (the ops pick the kernels; the
   kernels do not know the ops).
@@ -23,7 +23,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "kda_ops"
-API_IMPORTERS = frozenset({"kda_ops", "kda_ops.warmup", "kda_ops.nn", "kda_ops.__main__"})
+API_IMPORTERS = frozenset({"kda_ops", "kda_ops._warmup", "kda_ops.nn", "kda_ops.__main__"})
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ def test_the_package_keeps_its_layers() -> None:
 def test_the_checker_reads_every_module() -> None:
     """The walk sees the package's layers (a checker that read nothing would pass everything)."""
     modules = {module_name(p, SRC) for p in (SRC / PACKAGE).rglob("*.py")}
-    assert {"kda_ops", "kda_ops.api", "kda_ops.ops", "kda_ops.warmup"} <= modules
+    assert {"kda_ops", "kda_ops.api", "kda_ops.ops", "kda_ops._warmup"} <= modules
     assert any(m.startswith("kda_ops.triton.") for m in modules)
     assert any(m.startswith("kda_ops.reference.") for m in modules)
     # ops imports the reference (allowed), and the checker sees that import
@@ -150,7 +150,7 @@ def test_the_checker_reports_a_synthetic_violation(case: str) -> None:
 
 GOOD = {
     "ops imports the reference and triton": ("kda_ops.ops", "from kda_ops import reference\nimport kda_ops.triton\n"),
-    "warmup imports api": ("kda_ops.warmup", "from kda_ops.api import chunk_kda\n"),
+    "warmup imports api": ("kda_ops._warmup", "from kda_ops.api import chunk_kda\n"),
     "the package imports api": ("kda_ops", "from kda_ops.api import chunk_kda\n"),
     "nn imports api": ("kda_ops.nn", "from kda_ops import api\n"),
     "main imports api": ("kda_ops.__main__", "import kda_ops.api\n"),

@@ -3,11 +3,11 @@ warm-up on the GPU: ``tests/gpu/``)."""
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any
 
 import kda_ops
+from kda_ops import _warmup
 from tests.cases import option_inputs
 
 
@@ -20,11 +20,10 @@ def test_warmup_is_public_and_a_noop_on_the_cpu() -> None:
 def test_warmup_passes_each_function_only_its_own_options() -> None:
     """``kda_ops.warmup`` takes ``chunk_kda``'s keyword options and hands ``recurrent_kda`` and the serving step
     those each accepts: every option of ``chunk_kda`` is one of theirs or left out by name."""
-    warmup = importlib.import_module("kda_ops.warmup")  # the module (``kda_ops.warmup`` is the function)
 
     def keywords(fn: Any) -> set[str]:
         return {p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY}
 
     chunk = keywords(kda_ops.chunk_kda)
-    assert chunk - set(warmup._CHUNK_ONLY) == keywords(kda_ops.recurrent_kda)
-    assert chunk - set(warmup._NOT_SERVING) == keywords(kda_ops.recurrent_kda_update_)
+    assert chunk - set(_warmup._CHUNK_ONLY) == keywords(kda_ops.recurrent_kda)
+    assert chunk - set(_warmup._NOT_SERVING) == keywords(kda_ops.recurrent_kda_update_)

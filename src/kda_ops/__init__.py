@@ -7,8 +7,8 @@
 """
 
 from kda_ops import ops
+from kda_ops._warmup import warmup
 from kda_ops.api import chunk_kda, recurrent_kda, recurrent_kda_update_
-from kda_ops.warmup import warmup
 
 __version__ = "0.1.0"
 
