@@ -38,6 +38,8 @@ def digest(x: torch.Tensor | None) -> str:
 
 def inputs(T: int, H: int, HV: int, K: int, V: int, dtype: torch.dtype, device: str, gate: bool, seed: int,
            logits: bool) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Not :func:`kda_ops.testing.make_inputs`, which draws in float64 and leaves the keys unscaled: other tensors,
+    and digests taken on these would no longer compare with those taken before."""
     gen = torch.Generator().manual_seed(seed)
 
     def rnd(*shape: int) -> torch.Tensor:
@@ -135,9 +137,14 @@ def run_case(c: dict[str, Any], device: str, seed: int, errors: dict[str, float]
         do = torch.randn(o.shape, generator=gen2).to(device, o.dtype)
         ds = torch.randn(s.shape, generator=gen2).to(device, s.dtype)
         ((o.double() * do.double()).sum() + (s.double() * ds.double()).sum()).backward() if f64 else (
-            (o.float() * do.float()).sum() + (s * ds).sum()).backward()
-        outs = {f"{prefix}.o": o, f"{prefix}.final": s, f"{prefix}.dh0": h.grad,
-                **{f"{prefix}.d{n}": t.grad for n, t in lv.items()}}
+            (o.float() * do.float()).sum() + (s * ds).sum()
+        ).backward()
+        outs = {
+            f"{prefix}.o": o,
+            f"{prefix}.final": s,
+            f"{prefix}.dh0": h.grad,
+            **{f"{prefix}.d{n}": t.grad for n, t in lv.items()},
+        }
         for key, val in outs.items():
             if f64:
                 if errors is not None and key.replace("_f64", "") in kept:

@@ -123,8 +123,6 @@ _get_raw_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
 )
 
 
-
-
 # Launch configuration of each chunk stage kernel: fixed, chosen by measurement on the H200 (the sweeps are in
 # ``docs/experiments.md``), so that no call autotunes and a capture needs no warm-up beyond the compile. ``BK``/``BV``:
 # the key/value tile where the stage loops over tiles.
@@ -177,10 +175,11 @@ def recurrent_bwd_config(K: int, V: int) -> tuple[int, int, int]:
     return BK, BV, min(8, max(1, BK * BV // RECURRENT_BWD_ELEMENTS_PER_WARP))
 
 
-def launch(stage: str, **tiles: int) -> dict[str, int]:
-    """The ``num_warps``/``num_stages`` of ``stage``'s kernel, and each tile of ``tiles`` (``name=dim``) as the
-    configured tile capped at ``pow2(dim)``: keyword arguments for the launch."""
-    cfg = LAUNCH[stage]
+def launch(stage: str, table: Mapping[str, Mapping[str, int]] = LAUNCH, **tiles: int) -> dict[str, int]:
+    """The ``num_warps``/``num_stages`` of ``stage``'s kernel in ``table`` (the test-only stage kernels keep a table
+    of their own), and each tile of ``tiles`` (``name=dim``) as the configured tile capped at ``pow2(dim)``: keyword
+    arguments for the launch."""
+    cfg = table[stage]
     out = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     for name, dim in tiles.items():
         out[name] = min(pow2(dim), cfg[name])
@@ -199,6 +198,11 @@ def compute_dtype(x: Tensor) -> Any:
 
 def contiguous(x: Tensor) -> Tensor:
     return x if x.is_contiguous() else x.contiguous()
+
+
+def flat(x: Tensor) -> Tensor:
+    """``[B, T, ...]`` to the flat token stream ``[B*T, ...]`` (contiguous)."""
+    return contiguous(x).flatten(0, 1)
 
 
 def pow2(n: int, lo: int = 16) -> int:

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from kda_ops.common import Options, forward_outputs, state_dtype
 from kda_ops.triton.chunk.decays import chunk_decays, gate_bound, gate_flags, load_log_decay
-from kda_ops.triton.chunk.forward import _flat, _opt, final_without_tokens
+from kda_ops.triton.chunk.forward import _opt, final_without_tokens
 from kda_ops.triton.chunk.intra import intra_anchored, intra_blocks, intra_masks, key_tile, qk_norms, row_span
 from kda_ops.triton.chunk.output import chunk_output
 from kda_ops.triton.chunk.precision import Precision, precision_for
@@ -29,7 +29,7 @@ from kda_ops.triton.chunk.tiles import (
     slot_rows,
     store2,
 )
-from kda_ops.triton.launch import Launcher, cdiv, compute_dtype, contiguous, poison, pow2
+from kda_ops.triton.launch import Launcher, cdiv, compute_dtype, contiguous, flat, launch, poison, pow2
 from kda_ops.varlen import SlotRows
 
 # launch configurations of these kernels
@@ -38,14 +38,6 @@ LAUNCH = {
     "intra": {"num_warps": 4, "num_stages": 1, "BK": 32},
     "solve": {"num_warps": 4, "num_stages": 1, "BK": 64, "BV": 64},
 }
-
-
-def launch(stage: str, **tiles: int) -> dict[str, int]:
-    cfg = LAUNCH[stage]
-    out = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-    for name, dim in tiles.items():
-        out[name] = min(pow2(dim), cfg[name])
-    return out
 
 
 @triton.jit
@@ -162,7 +154,7 @@ def chunk_intra(
              gate_bound(opts), H, HV),
             dict(K=K, NB=NB, BC=BC, BT=BT, USE_L2NORM=opts.use_qk_l2norm, USE_BETA_SIGMOID=opts.use_beta_sigmoid,
                  NEG_EIGVAL=opts.allow_neg_eigval, PREC=precision.intra, DT=compute_dtype(q), ASPAN=ANCHOR_SPAN,
-                 SPAN=FACTOR_SPAN, BLOCKS=blocks, **gate_flags(opts, A_log, dt_bias), **launch("intra", BK=K)),
+                 SPAN=FACTOR_SPAN, BLOCKS=blocks, **gate_flags(opts, A_log, dt_bias), **launch("intra", LAUNCH, BK=K)),
         )  # fmt: skip
     return Mqk, Mkk, Qt, Kend, Kt, Gl
 
@@ -238,7 +230,7 @@ def chunk_solve(
         (contiguous(Mkk), Kt, contiguous(v), contiguous(beta), Tm, U, slots.start, slots.count, HV),
         dict(K=K, V=V, NB=NB, BC=BC, BT=BT, USE_BETA_SIGMOID=opts.use_beta_sigmoid, NEG_EIGVAL=opts.allow_neg_eigval,
              PREC_SOLVE=precision.solve, PREC_WY=precision.wy, DT=compute_dtype(Mkk), STORE_TM=store_tm,
-             **launch("solve", BK=K, BV=V)),
+             **launch("solve", LAUNCH, BK=K, BV=V)),
     )  # fmt: skip
     return Tm, Kt, U
 
@@ -271,7 +263,7 @@ def chunk_fwd_staged(
     p = precision or precision_for(v.dtype)
     slots = slot_map(cu_seqlens, B, T, v.device)
     cu = slots.cu
-    qf, kf, vf, gf, bf = (_flat(x) for x in (q, k, v, g, beta))
+    qf, kf, vf, gf, bf = (flat(x) for x in (q, k, v, g, beta))
     A_log, dt_bias = _opt(A_log), _opt(dt_bias)
     Mqk, Mkk, Qt, Kend, Kt, Gl = chunk_intra(qf, kf, gf, bf, scale, slots, A_log, dt_bias, opts, p)
     _, W, U = chunk_solve(Mkk, Kt, vf, bf, slots, opts, p, store_tm=False)
@@ -299,7 +291,7 @@ def chunk_local_cumsum(
     BK = min(pow2(K), 64)
     chunk_cumsum_kernel[(NC, HV, cdiv(K, BK))](
         contiguous(g), A_log, dt_bias, Gam, Gl, slots.start, slots.count, gate_bound(opts), HV,
-        K=K, BK=BK, BT=BT, DT=compute_dtype(g), **gate_flags(opts, A_log, dt_bias), **launch("cumsum"),
+        K=K, BK=BK, BT=BT, DT=compute_dtype(g), **gate_flags(opts, A_log, dt_bias), **launch("cumsum", LAUNCH),
     )  # fmt: skip
     return Gam, Gl
 

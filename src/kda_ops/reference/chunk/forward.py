@@ -21,9 +21,9 @@ from kda_ops.reference.chunk.common import (
     slot_index,
 )
 from kda_ops.reference.chunk.intra import intra_chunk
+from kda_ops.reference.chunk.prepare import prepare_flat
 from kda_ops.reference.chunk.scan import state_scan
 from kda_ops.reference.chunk.solve import solve_unit_lower, wy_factors
-from kda_ops.reference.inputs import transform_inputs
 from kda_ops.varlen import ChunkSlots, chunk_slots, flat_cu_seqlens
 
 
@@ -85,17 +85,17 @@ def flatten_inputs(
     dt_bias: Tensor | None,
     opts: Options,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Transforms, head expansion and flattening to ``[B*T, HV, ...]``; the state in the compute dtype."""
+    """Transforms and head expansion (:func:`~.prepare.prepare_flat`, on the ``[B, T, ...]`` inputs: the transforms
+    round alike on every layout of the same shape), then flattening to ``[B*T, HV, ...]``; the state in the compute
+    dtype."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dtype = state_dtype(v)
-    qp, kp, gp, bp = transform_inputs(q, k, g, beta, A_log, dt_bias, opts, dtype)
-    qp = qp.repeat_interleave(HV // H, dim=2).flatten(0, 1)
-    kp = kp.repeat_interleave(HV // H, dim=2).flatten(0, 1)
+    qp, kp, gp, bp = (x.flatten(0, 1) for x in prepare_flat(q, k, g, beta, A_log, dt_bias, opts, dtype))
     cu = flat_cu_seqlens(cu_seqlens, B, T, v.device)
     N = cu.shape[0] - 1
     h0 = v.new_zeros(N, HV, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype)
-    return qp, kp, v.to(dtype).flatten(0, 1), gp.flatten(0, 1), bp.flatten(0, 1), h0, cu
+    return qp, kp, v.to(dtype).flatten(0, 1), gp, bp, h0, cu
 
 
 def chunk_fwd(

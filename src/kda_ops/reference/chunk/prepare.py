@@ -27,11 +27,11 @@ def prepare_flat(
     opts: Options,
     dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Flat ``[T, ...]`` inputs through the transforms, in ``dtype``: ``(q, k)`` per value head, ``g``, ``beta``."""
-    HV = g.shape[1]
+    """Flat ``[T, ...]`` inputs (or ``[B, T, ...]``: any leading dimensions) through the transforms, in ``dtype``:
+    ``(q, k)`` per value head, ``g``, ``beta``."""
     qp, kp, gp, bp = transform_inputs(q, k, g, beta, A_log, dt_bias, opts, dtype)
-    G = HV // q.shape[1]
-    return qp.repeat_interleave(G, dim=1), kp.repeat_interleave(G, dim=1), gp, bp
+    G = g.shape[-2] // q.shape[-2]
+    return qp.repeat_interleave(G, dim=-2), kp.repeat_interleave(G, dim=-2), gp, bp
 
 
 def x_form(Mqk: Tensor, Kend: Tensor, Tm: Tensor, beta: Tensor, slots: ChunkSlots, C: int) -> tuple[Tensor, Tensor]:

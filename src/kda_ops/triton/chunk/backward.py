@@ -31,7 +31,7 @@ from kda_ops.triton.chunk.recompute import (
 )
 from kda_ops.triton.chunk.scan_bwd import chunk_bwd_scan
 from kda_ops.triton.chunk.slots import slot_map
-from kda_ops.triton.launch import contiguous, interpreting
+from kda_ops.triton.launch import contiguous, flat, interpreting
 from kda_ops.varlen import flat_cu_seqlens
 
 
@@ -125,11 +125,11 @@ def _gradients(
     G = HV // H
     if dht is not None and dht.numel() == 0:
         dht = None
-    qf, kf, vf, gf, bf = (contiguous(x).flatten(0, 1) for x in (q, k, v, g, beta))
+    qf, kf, vf, gf, bf = (flat(x) for x in (q, k, v, g, beta))
     qp, kp, gp, bp, norms = transform_inputs(qf, kf, gf, bf, A_log, dt_bias, opts, dt, with_norms=saved is None)
     if saved is not None and opts.use_qk_l2norm:
         norms = saved[8]
-    dO = contiguous(do).flatten(0, 1)
+    dO = flat(do)
     if B * T == 0:
         N = flat_cu_seqlens(cu_seqlens, B, T, v.device).shape[0] - 1
         zq, zk, zg, zb = (torch.zeros_like(x, dtype=dt) for x in (qf, kf, gf, bf))
@@ -145,7 +145,7 @@ def _gradients(
             fw = chunk_bwd_recompute(
                 q=qp, k=kp, v=vf, g=gp, beta=bp, scale=scale, h0=h0, cu=cu, slots=slots, precision=rp,
                 offsets=slots.offset, norms=norms,
-            )
+            )  # fmt: skip
         else:
             fw = Recomputed(*saved[:8])
         dht_c = None if dht is None else dht.to(dt)
@@ -155,7 +155,7 @@ def _gradients(
         dE, dSp, dh0_ = chunk_bwd_scan(
             dO=dO, Mqk=fw.Mqk, Qt=fw.Qt, Kend=fw.Kend, W=fw.W, Gl=fw.Gl, dht=dht_c, cu=cu, prec=prec,
             store_dh0=initial_state is not None, offsets=slots.offset, dsp_dtype=store,
-        )
+        )  # fmt: skip
         # each recomputed intermediate is dropped after its last reader, so that the caching allocator reuses its
         # memory for the next stage's outputs: Mqk, Qt, Kend and W after the scan, Tm and dE after the dv stage
         # (docs/architecture.md, "Chunk backward: what is saved"); saved ones live on in the autograd graph until
@@ -165,12 +165,12 @@ def _gradients(
         dv_t, dbeta_p, dMqk, dMkk, dKt, Gam = chunk_bwd_dv(
             k=kp, v=vf, g=gp, beta=bp, Tm=Tm, Hin=Hin, E=E, dE=dE, dO=dO, slots=slots, prec=prec, prec_t=prec_t,
             dv_dtype=v.dtype, store=store, norms=norms,
-        )
+        )  # fmt: skip
         del Tm, dE
         dq_v, dk_v, zg, zb = chunk_bwd_dqk(
             q=qp, k=kp, Gam=Gam, Gl=Gl, beta=bp, dMqk=dMqk, dMkk=dMkk, dKt=dKt, Hin=Hin, E=E, dSp=dSp, dO=dO,
             dbeta_partial=dbeta_p, scale=scale, slots=slots, prec=prec, norms=norms,
-        )
+        )  # fmt: skip
         dh0 = dh0_ if dh0_ is not None else dSp.new_empty(0)
         del Hin, E, dSp, dMqk, dMkk, dKt, Gam
         # a group's value heads share their q/k head (without groups the view is the sum: no pass over the tensor)
