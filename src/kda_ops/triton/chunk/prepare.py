@@ -10,8 +10,8 @@ oracles through the standalone kernels of the stage tests (``tests/triton/chunk/
 The forward (:func:`chunk_prepare`) takes the *X form*: with ``Tb = Tm diag(beta)``, ``E = U - W S = Tb X`` for
 ``X = V - Kt S``, so the kernel stores ``Mqk Tb`` and ``Kb = Tb^T Kend`` in place of ``Mqk`` and ``Kend``, keeps
 ``Kt`` for the scan and forms neither ``U`` (nor reads ``v``) nor ``W``: one 64 x 64 x 64 product from registers
-replaces two 64 x 64 x 128 products over loaded tiles (against the E form, the forward at B1 T32768 H32 bf16 on an
-H200: 3.355 -> 3.143 ms). The backward's recompute (:func:`chunk_prepare_recompute`) takes the E form:
+replaces two 64 x 64 x 128 products over loaded tiles (0.21 ms less than the E form in the forward at B1 T32768
+H32 bf16 on an H200). The backward's recompute (:func:`chunk_prepare_recompute`) takes the E form:
 ``Mqk`` and ``Tm`` in the compute dtype, ``W``, ``U``, ``Qt``, ``Kend`` in ``precision.store``, ``Gam_last`` per
 slot.
 
@@ -72,10 +72,12 @@ from kda_ops.varlen import SlotRows
 
 
 @triton.jit
-def solve_and_store(Mqk2, Mkk2, Mqk, v, beta, W, U, Kend, Tm, tok, m, i_hv, HV, K: tl.constexpr, V: tl.constexpr,
-                    BK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
-                    USE_BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, PREC_SOLVE: tl.constexpr,
-                    PREC_WY: tl.constexpr, DT: tl.constexpr, STORE_TM: tl.constexpr, nq, nk, FOLD: tl.constexpr):
+def solve_and_store(
+    Mqk2, Mkk2, Mqk, v, beta, W, U, Kend, Tm, tok, m, i_hv, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
+    NEG_EIGVAL: tl.constexpr, PREC_SOLVE: tl.constexpr, PREC_WY: tl.constexpr, DT: tl.constexpr,
+    STORE_TM: tl.constexpr, nq, nk, FOLD: tl.constexpr,
+):  # fmt: skip
     """Masks; stage 3: ``Tm = (I + Mkk)^-1``. With ``STORE_TM`` (the backward's recompute): store Mqk, ``Tm``,
     ``W = Tm diag(beta) Kt`` (``Kt`` as the key tiles left it in ``W``) and ``U = Tm diag(beta) V``. Without (the
     forward's X form): store ``Mqk Tb`` in ``Mqk`` and ``Kb = Tb^T Kend`` over ``Kend`` (``Tb = Tm diag(beta)``);
@@ -134,9 +136,9 @@ def chunk_prepare_kernel(
     span = tl.zeros((BT,), dtype=DT)
     NK: tl.constexpr = (K + BK - 1) // BK
     # PREFETCH: the next key tile loads while this one computes (its stores come first in program order, and a load
-    # after a store that it might alias cannot be issued early; the last step reloads the last tile): in the
-    # backward's recompute, forward + backward at B1 T32768 H32 bf16 on an H200 21.85 -> 21.63 ms. It is off after
-    # an l2norm pass over q and k before the loop, which leaves them L2-resident: the prefetch then only costs
+    # after a store that it might alias cannot be issued early; the last step reloads the last tile): through the
+    # backward's recompute, 0.22 ms off forward + backward at B1 T32768 H32 bf16 on an H200. It is off after an
+    # l2norm pass over q and k before the loop, which leaves them L2-resident: the prefetch then only costs
     # registers.
     # GIVEN_SUMS: the decays' three sums along the rows come from chunk_anchor_sums (key_compute loads them) rather
     # than from a reduction across warps here
@@ -251,6 +253,7 @@ def anchored_path_usable(opts: Options) -> bool:
     lb = opts.lower_bound if opts.use_gate else None
     return lb is None or abs(lb) * (BT // 2) <= ANCHOR_SPAN
 
+
 @dataclass(frozen=True)
 class XFactors:
     """The forward's per-chunk factors in the X form (``Tb = Tm diag(beta)``, ``E = Tb X`` for ``X = V - Kt S``):
@@ -358,11 +361,11 @@ def _prepare(
     # The anchored kernel folds the l2norm into its key loop: the products and tiles are formed from raw q, k and the
     # factors applied after the loop (``Mqk``, ``Mkk``, ``Kb``) or by the consumers (``Qt`` by the output stage,
     # ``Kt`` by the scan), which saves the pass that loads q and k once more before the loop; with no such pass the
-    # next key tile loads a step ahead (the forward at B1 T32768 H32 bf16 on an H200: 3.636 -> 3.568 ms).
+    # next key tile loads a step ahead (0.07 ms off the forward at B1 T32768 H32 bf16 on an H200).
     fold = anchored and opts.use_qk_l2norm
     # The l2norm factors as [2, HV, T], each head's rows contiguous, not [2, T, HV]: every program stores (and the
-    # scan and the output stage load) its 64 rows' factors as one run rather than 64 values 4 * HV bytes apart. The
-    # forward at B1 T32768 H32 bf16 on an H200: 3.005 -> 2.895 ms.
+    # scan and the output stage load) its 64 rows' factors as one run rather than 64 values 4 * HV bytes apart: 0.11
+    # ms off the forward at B1 T32768 H32 bf16 on an H200.
     Nrm = q.new_empty(2, HV, T, dtype=state_dtype(v)) if fold else None
     poison(Mqk, W, U, Qt, Kend, Gl, Tm, Flag, Nrm)
     # the two kernels' runtime arguments: these, with the anchor sums between them for the anchored kernel
@@ -381,8 +384,8 @@ def _prepare(
     if anchored:
         prefetch = not opts.use_qk_l2norm or fold
         # The forward reads each key tile's three sums along the rows (``g_0``, ``P_last``, ``P_mid``) from a pass of
-        # their own over ``g`` instead of reducing across the kernel's warps, its largest cost (the forward at B1
-        # T32768 H32 bf16 on an H200: 3.126 -> 3.048 ms); the backward's recompute reduces them in the kernel.
+        # their own over ``g`` instead of reducing across the kernel's warps, its largest cost (0.08 ms off the
+        # forward at B1 T32768 H32 bf16 on an H200); the backward's recompute reduces them in the kernel.
         sums = None if store_tm else chunk_anchor_sums(contiguous(g), slots, A_log, dt_bias, opts)
         _launch_prepare((NC, HV), (*head, sums, *tail),
                         dict(meta, ASPAN=ANCHOR_SPAN, FOLD=fold, PREFETCH=prefetch, GIVEN_SUMS=sums is not None,
