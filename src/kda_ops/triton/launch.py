@@ -148,6 +148,15 @@ LAUNCH: dict[str, dict[str, int]] = {
     "dqk_blocks": {"num_warps": 4, "num_stages": 1, "BK": 32, "BV": 32},
 }
 
+# The output stage's form: below FEW_ITEMS_PER_SM (chunk slot, value head) pairs per SM the 16-bit path takes a
+# program per item at value tile 64 rather than a program per SM walking 128-wide items, since a short prompt leaves
+# the loop little to pipeline: at B1 T1024 H32 bf16 (4.1 pairs per SM) 2 µs off the forward under a CUDA graph on an
+# H200; from T = 2048 (8.0 pairs per SM) the per-SM loop is the faster.
+FEW_ITEMS_PER_SM = 6
+# The prepare stage's block pass after the anchored one: the flags read FLAG_BLOCK at a time by at most one program
+# per SM (the kernel holds one program per SM at a time anyway).
+FLAG_BLOCK = 128
+
 
 # The recurrent kernels: fixed per shape (no autotune). The forward's value tile of at most 64 with 2 warps at
 # K = V = 128: the decode step under a CUDA graph on an H200 at B = 64 in 7 % less time than with BV 32 / 4 warps.
@@ -159,10 +168,9 @@ RECURRENT_BWD_BV_MAX = 32
 RECURRENT_BWD_ELEMENTS_PER_WARP = 512
 
 
-@functools.cache
 def recurrent_config(K: int, V: int) -> tuple[int, int, int]:
     """``(BK, BV, num_warps)`` of the recurrent forward for head dimensions ``K, V``: the whole key dimension in one
-    tile (the l2norm stays local to a program)."""
+    tile (the l2norm stays local to a program). Not cached: the forward caches its whole launch per shape."""
     BK = pow2(K, 1)
     BV = min(pow2(V, 1), RECURRENT_BV_MAX)
     return BK, BV, min(8, max(1, BK * BV // RECURRENT_ELEMENTS_PER_WARP))

@@ -8,10 +8,8 @@ import pytest
 
 
 def _clear_launch_caches() -> None:
-    from kda_ops.triton import launch
     from kda_ops.triton.recurrent import forward
 
-    launch.recurrent_config.cache_clear()
     forward._forward_meta.cache_clear()
 
 

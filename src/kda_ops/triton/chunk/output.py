@@ -19,6 +19,7 @@ from kda_ops.triton.chunk.precision import Precision
 from kda_ops.triton.chunk.tiles import BT, col_mask, head_factors, scale_rows, store2, tile2
 from kda_ops.triton.lang import mm, pdl_enter
 from kda_ops.triton.launch import (
+    FEW_ITEMS_PER_SM,
     Launcher,
     cdiv,
     compute_dtype,
@@ -33,12 +34,6 @@ from kda_ops.triton.launch import (
     pow2,
 )
 from kda_ops.varlen import SlotRows
-
-# (chunk slot, value head) pairs per SM below which the 16-bit path takes a program per item at value tile 64 rather
-# than a program per SM walking 128-wide items, since a short prompt leaves the loop little to pipeline: at B1 T1024
-# H32 bf16 (4.1 pairs per SM) the forward under a CUDA graph on an H200 118.3 -> 116.3 µs; from T = 2048 (8.0 pairs
-# per SM) the per-SM loop is the faster.
-FEW_ITEMS_PER_SM = 6
 
 
 @triton.jit

@@ -23,10 +23,10 @@ The kernels that share the work (:mod:`~kda_ops.triton.chunk.intra` explains the
 - The forward first runs :func:`~kda_ops.triton.chunk.decays.chunk_anchor_sums`: the anchored decays' three sums
   along the rows, which the anchored kernel then loads instead of reducing across its warps.
 - :func:`chunk_prepare_blocks_kernel` redoes the flagged chunks by the block path: in the forward at most one
-  program per SM reads the flags :data:`FLAG_BLOCK` at a time and runs the flagged chunks in turn (the recompute
-  keeps a program per chunk). When the options bound the gate below ``-2.5`` nats per token (``lower_bound``),
-  where the anchored path would often fail, it runs alone, a program per chunk, and the first kernel is not
-  launched.
+  program per SM reads the flags :data:`~kda_ops.triton.launch.FLAG_BLOCK` at a time and runs the flagged chunks in
+  turn (the recompute keeps a program per chunk). When the options bound the gate below ``-2.5`` nats per token
+  (``lower_bound``), where the anchored path would often fail, it runs alone, a program per chunk, and the first
+  kernel is not launched.
 
 The grid of a program per chunk is the static chunk-slot map (:func:`kda_ops.varlen.chunk_slots`): ``cdiv(T, BT)
 + N`` slots, a program whose slot holds no token returns at once (the anchored kernel first writes its flag 0).
@@ -58,6 +58,7 @@ from kda_ops.triton.chunk.solve import kb_stored, solve_unit_lower, solve_wy
 from kda_ops.triton.chunk.tiles import ANCHOR_SPAN, BC, BT, FACTOR_SPAN, NB, col_mask, load_beta2, slot_rows, store2
 from kda_ops.triton.lang import mm, pdl_enter, rnorm
 from kda_ops.triton.launch import (
+    FLAG_BLOCK,
     Launcher,
     cdiv,
     compute_dtype,
@@ -239,11 +240,6 @@ def chunk_prepare_blocks_kernel(
                          slot_start, slot_count, scale, lower_bound, H, HV, T, K, V, BK, BV, NB, BC, BT, USE_L2NORM,
                          USE_GATE, HAS_A_LOG, HAS_DT_BIAS, USE_LOWER_BOUND, USE_BETA_SIGMOID, NEG_EIGVAL, PREC_INTRA,
                          PREC_SOLVE, PREC_WY, DT, STORE_TM, SPAN, FOLD, GIVEN_NORMS)  # fmt: skip
-
-
-# The block pass after the anchored one: flags read FLAG_BLOCK at a time by at most one program per SM (the kernel
-# holds one program per SM at a time anyway).
-FLAG_BLOCK = 128
 
 
 def anchored_path_usable(opts: Options) -> bool:
