@@ -154,11 +154,17 @@ def chunk_variants() -> dict[str, Variant]:
         return a
 
     def scn(K: int, V: int, BV: int, store: torch.dtype = BF, prec: str = "bf16", norms: bool = False,
-            x_form: bool = False) -> dict[str, Any]:  # fmt: skip
+            x_form: bool = False, phase: int = 0) -> dict[str, Any]:  # fmt: skip
         return dict(W=store, U=store, Kend=store, Gl=F32, h0=F32, final=F32, Hin=store,
-                    E=store, Nk=F32 if norms else None, cu=I64, chunk_off=I64, HV=32, T=1000, K=K, V=V,
+                    E=store, Nk=F32 if norms else None, cu=I64, chunk_off=I64, MB=F32 if phase == 1 else None, HV=32,
+                    T=1000, NSEG=1 if phase == 0 else 7, K=K, V=V,
                     BK=max(16, triton.next_power_of_2(K)), BV=BV, BT=64, USE_INITIAL_STATE=True,
-                    STORE_FINAL_STATE=True, PREC_SCAN=prec, DT=tl.float32, NORMS=norms, X_FORM=x_form)  # fmt: skip
+                    STORE_FINAL_STATE=True, PREC_SCAN=prec, DT=tl.float32, NORMS=norms, X_FORM=x_form,
+                    PHASE=phase)  # fmt: skip
+
+    def seg(K: int, V: int) -> dict[str, Any]:
+        return dict(MB=F32, h0=F32, Sin=F32, HV=32, NSEG=7, K=K, V=V, BK=K, BV=32, BKC=32, USE_INITIAL_STATE=True,
+                    PREC="ieee", DT=tl.float32)  # fmt: skip
 
     stage = dict(slot_start=I64, slot_count=I64, lower_bound=0.0, HV=32, BT=64, USE_GATE=True, HAS_A_LOG=True,
                  HAS_DT_BIAS=True, USE_LOWER_BOUND=False, DT=tl.float32)  # fmt: skip
@@ -173,6 +179,12 @@ def chunk_variants() -> dict[str, Variant]:
         "scan bf16 K=V=128 BV=32 norms": ("chunk.scan", scan.chunk_state_kernel, scn(128, 128, 32, norms=True), 8, 1),
         "scan bf16 K=V=128 BV=32 norms X form": ("chunk.scan", scan.chunk_state_kernel,
                                                  scn(128, 128, 32, norms=True, x_form=True), 8, 1),
+        **{f"split scan pass {ph} bf16 K=V=128 BV=32 norms X form": ("chunk.scan", scan.chunk_state_kernel,
+           scn(128, 128, 32, norms=True, x_form=True, phase=ph), 4, 1) for ph in (1, 2)},
+        "split scan pass 1 bf16 K=V=128 BV=32 E form": ("chunk.scan", scan.chunk_state_kernel,
+                                                        scn(128, 128, 32, phase=1), 4, 1),
+        **{f"segment states fp32 K=V={K}": ("chunk.scan", scan.segment_states_kernel, seg(K, K), 4, 1)
+           for K in (128, 256)},
         **{f"output norms bf16 K=V={K} BV={bv}": ("chunk.output", output.chunk_output_kernel, dict(Qt=BF, Mqk=BF,
            Hin=BF, E=BF, o=BF, Nq=F32, slot_start=I64, slot_count=I64, NC=17, HV=32, T=1000, K=K, V=K, BK=K, BV=bv,
            BT=64, PREC="bf16", DT=tl.float32, NORMS=True, STAGES=st), 4, st)

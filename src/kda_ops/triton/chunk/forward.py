@@ -35,12 +35,7 @@ from kda_ops.triton.chunk.recompute import (
 )
 from kda_ops.triton.chunk.scan import chunk_state
 from kda_ops.triton.chunk.slots import slot_map
-from kda_ops.triton.launch import contiguous, poison
-
-
-def _flat(x: Tensor) -> Tensor:
-    """``[B, T, ...]`` to the flat token stream ``[B*T, ...]`` (contiguous)."""
-    return contiguous(x).flatten(0, 1)
+from kda_ops.triton.launch import contiguous, flat, poison
 
 
 def _opt(x: Tensor | None) -> Tensor | None:
@@ -79,9 +74,9 @@ def chunk_fwd(
     poison(o, final)
     # stages 1-3, fused per chunk, in the X form: Gam; Mqk, Mkk, Qt, Kend; Tm = (I + Mkk)^-1; with
     # Tb = Tm diag(beta): Mqk Tb, Kt = k exp(Gam), Kb = Tb^T Kend (neither W = Tb Kt nor U = Tb V)
-    vf = _flat(v)
+    vf = flat(v)
     f = chunk_prepare(
-        q=_flat(q), k=_flat(k), v=vf, g=_flat(g), beta=_flat(beta), scale=scale, slots=slots, A_log=_opt(A_log),
+        q=flat(q), k=flat(k), v=vf, g=flat(g), beta=flat(beta), scale=scale, slots=slots, A_log=_opt(A_log),
         dt_bias=_opt(dt_bias), opts=opts, precision=p,
     )
     # stage 4: X = V - Kt S (E = U - W S = Tb X);  S' = exp(Gam_last) S + Kb^T X, keeping the state entering each chunk
@@ -142,7 +137,7 @@ def chunk_fwd_train(
         kept = tuple(t.zero_() for t in recomputed_empty(q, v, N).tensors())  # only the N slots have elements
         norms_0 = q.new_empty(2, 0, q.shape[2], dtype=dt) if opts.use_qk_l2norm else q.new_empty(0)
         return (o, final, *kept, norms_0)
-    qf, kf, vf, gf, bf = (contiguous(x).flatten(0, 1) for x in (q, k, v, g, beta))
+    qf, kf, vf, gf, bf = (flat(x) for x in (q, k, v, g, beta))
     qp, kp, gp, bp, norms = transform_inputs(qf, kf, gf, bf, A_log, dt_bias, opts, dt)
     slots = slot_map(cu_seqlens, B, T, v.device)
     rp = recompute_precision(v.dtype)
