@@ -13,6 +13,10 @@ from torch import Tensor
 
 # The l2norm of q and k: x / sqrt(sum(x * x) + L2NORM_EPS), in the reference and every kernel.
 L2NORM_EPS = 1e-6
+# The smallest per-token log decay the kernels use: a g below it, -inf included (a hard reset), acts as it.
+# exp(-200) is 0 in fp32 and 1e-87 in fp64, so the state is forgotten as by -inf, while a chunk's cumulative sums
+# and their differences stay finite (-inf - -inf is NaN).
+LOG_DECAY_FLOOR = -200.0
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kda_ops.common import L2NORM_EPS
+from kda_ops.common import L2NORM_EPS, LOG_DECAY_FLOOR
 
 
 def l2norm(x: Tensor) -> Tensor:
@@ -66,6 +66,16 @@ def gate_bwd(
     return dx, dA, ddt
 
 
+def floor_log_decay(g: Tensor) -> Tensor:
+    """The log decay the kernels use: ``max(g, LOG_DECAY_FLOOR)`` (``-inf``, a hard reset, to the floor)."""
+    return g.clamp_min(LOG_DECAY_FLOOR)
+
+
+def floor_log_decay_bwd(g: Tensor, dg: Tensor) -> Tensor:
+    """Gradient of :func:`floor_log_decay` at ``g``: none where the floor replaced ``g``."""
+    return torch.where(g >= LOG_DECAY_FLOOR, dg, torch.zeros_like(dg))
+
+
 def beta_transform(beta: Tensor, use_sigmoid: bool, allow_neg_eigval: bool) -> Tensor:
     """``beta`` (or ``sigmoid(beta)``), times 2 with ``allow_neg_eigval``."""
     b = torch.sigmoid(beta) if use_sigmoid else beta
@@ -81,4 +91,14 @@ def beta_transform_bwd(beta: Tensor, use_sigmoid: bool, allow_neg_eigval: bool, 
     return c * db
 
 
-__all__ = ["beta_transform", "beta_transform_bwd", "gate", "gate_args", "gate_bwd", "l2norm", "l2norm_bwd"]
+__all__ = [
+    "beta_transform",
+    "beta_transform_bwd",
+    "floor_log_decay",
+    "floor_log_decay_bwd",
+    "gate",
+    "gate_args",
+    "gate_bwd",
+    "l2norm",
+    "l2norm_bwd",
+]

@@ -18,7 +18,16 @@ import torch
 from torch import Tensor
 
 from kda_ops.common import Options
-from kda_ops.transforms import beta_transform, beta_transform_bwd, gate, gate_bwd, l2norm, l2norm_bwd
+from kda_ops.transforms import (
+    beta_transform,
+    beta_transform_bwd,
+    floor_log_decay,
+    floor_log_decay_bwd,
+    gate,
+    gate_bwd,
+    l2norm,
+    l2norm_bwd,
+)
 
 
 def transform_inputs(
@@ -37,7 +46,7 @@ def transform_inputs(
         q, k = l2norm(q), l2norm(k)
     if opts.use_gate:
         g = gate(g, A_log, dt_bias, opts.lower_bound)
-    return q, k, g, beta_transform(beta, opts.use_beta_sigmoid, opts.allow_neg_eigval)
+    return q, k, floor_log_decay(g), beta_transform(beta, opts.use_beta_sigmoid, opts.allow_neg_eigval)
 
 
 def transform_inputs_bwd(
@@ -64,7 +73,11 @@ def transform_inputs_bwd(
     dA: Tensor | None = None
     ddt: Tensor | None = None
     if opts.use_gate:
-        dg, dA, ddt = gate_bwd(g, A_log, dt_bias, opts.lower_bound, dg)
+        dg, dA, ddt = gate_bwd(
+            g, A_log, dt_bias, opts.lower_bound, floor_log_decay_bwd(gate(g, A_log, dt_bias, opts.lower_bound), dg)
+        )
+    else:
+        dg = floor_log_decay_bwd(g, dg)
     dbeta = beta_transform_bwd(beta, opts.use_beta_sigmoid, opts.allow_neg_eigval, dbeta)
     return dq, dk, dg, dbeta, dA, ddt
 

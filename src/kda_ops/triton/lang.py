@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kda_ops.common import L2NORM_EPS
+from kda_ops.common import L2NORM_EPS, LOG_DECAY_FLOOR
 
 
 @triton.jit
@@ -31,6 +31,10 @@ def mm(a, b, PREC: tl.constexpr, DT: tl.constexpr):
 
 # The l2norm of q and k: x / sqrt(sum(x * x) + EPS), as in the reference.
 EPS = tl.constexpr(L2NORM_EPS)
+
+
+# The smallest log decay the kernels use (-inf, a hard reset, to it), as in the reference.
+LOG_FLOOR = tl.constexpr(LOG_DECAY_FLOOR)
 
 
 @triton.jit

@@ -13,14 +13,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kda_ops.transforms import floor_log_decay
 from kda_ops.varlen import ChunkSlots
 
 DEFAULT_CHUNK_SIZE = 64
 
 
 def chunk_local_cumsum(g: Tensor) -> Tensor:
-    """``Gam [..., C, K]``: cumulative log decay within each chunk (dim -2)."""
-    return torch.cumsum(g, dim=-2)
+    """``Gam [..., C, K]``: cumulative log decay within each chunk (dim -2), of the log decay at least
+    ``LOG_DECAY_FLOOR`` (the kernels' ``Gam``)."""
+    return torch.cumsum(floor_log_decay(g), dim=-2)
 
 
 def pairwise_decay(Gam: Tensor, strict: bool) -> Tensor:

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from kda_ops.common import Options, state_dtype
 from kda_ops.triton.chunk.tiles import BT, col_mask, slot_rows
-from kda_ops.triton.lang import log_decay, pdl_enter
+from kda_ops.triton.lang import LOG_FLOOR, log_decay, pdl_enter
 from kda_ops.triton.launch import Launcher, cdiv, compute_dtype, contiguous, jit_any_length, launch, pdl, poison, pow2
 from kda_ops.varlen import SlotRows
 
@@ -61,7 +61,8 @@ def load_log_decay(g, A_log, dt_bias, tok, m, stride, o_k, m_k, i_hv, lower_boun
 @triton.jit
 def gate(x, mask, A_log, dt_bias, o_k, m_k, i_hv, lower_bound, K: tl.constexpr, USE_GATE: tl.constexpr,
          HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, DT: tl.constexpr):
-    """:func:`load_log_decay` after the load: ``x [BT, BK]`` as loaded (0 outside ``mask``) to the log decay."""
+    """:func:`load_log_decay` after the load: ``x [BT, BK]`` as loaded (0 outside ``mask``) to the log decay, at
+    least ``LOG_DECAY_FLOOR``."""
     x = x.to(DT)
     if USE_GATE:
         if HAS_DT_BIAS:
@@ -71,7 +72,7 @@ def gate(x, mask, A_log, dt_bias, o_k, m_k, i_hv, lower_bound, K: tl.constexpr, 
         else:
             a = 1.0
         x = tl.where(mask, log_decay(x, a, lower_bound, HAS_A_LOG, USE_LOWER_BOUND), 0.0)
-    return x
+    return tl.maximum(x, LOG_FLOOR)
 
 
 @triton.jit
