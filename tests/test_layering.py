@@ -3,10 +3,13 @@
 
 - ``kda_ops.reference`` (the oracle) and ``kda_ops.triton`` (the kernels) never import each other: the tests compare
   the two, and a kernel that borrowed the oracle's code would be checked against itself;
-- only ``kda_ops/__init__.py``, ``kda_ops/_warmup.py``, ``kda_ops/nn.py`` and ``kda_ops/__main__.py`` import
-  ``kda_ops.api`` (the public functions sit on top of everything else);
+- only ``kda_ops/__init__.py``, ``kda_ops/_warmup.py``, ``kda_ops/nn.py``, ``kda_ops/__main__.py`` and
+  ``kda_ops/compat/fla.py`` import ``kda_ops.api`` (the public functions sit on top of everything else; the
+  compat module renames them);
 - nothing under ``kda_ops.triton`` or ``kda_ops.reference`` imports ``kda_ops.ops`` (the ops pick the kernels; the
-  kernels do not know the ops).
+  kernels do not know the ops);
+- nothing outside ``kda_ops.compat`` imports it, and it imports nothing of the package but ``kda_ops.api`` (the
+  drop-in names map onto the public functions, on top of everything).
 
 The checker is tested on itself: a synthetic module for each rule, and a copy of the package with a violating
 import planted, must be reported.
@@ -23,7 +26,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "kda_ops"
-API_IMPORTERS = frozenset({"kda_ops", "kda_ops._warmup", "kda_ops.nn", "kda_ops.__main__"})
+API_IMPORTERS = frozenset({"kda_ops", "kda_ops._warmup", "kda_ops.nn", "kda_ops.__main__", "kda_ops.compat.fla"})
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,14 @@ def violations(module: str, imported: str, line: int) -> list[Violation]:
         found.append(Violation(module, imported, line, f"only {sorted(API_IMPORTERS)} may import kda_ops.api"))
     if (_within(module, "kda_ops.triton") or _within(module, "kda_ops.reference")) and _within(imported, "kda_ops.ops"):
         found.append(Violation(module, imported, line, "the kernels must not import kda_ops.ops"))
+    if _within(imported, "kda_ops.compat") and not _within(module, "kda_ops.compat"):
+        found.append(Violation(module, imported, line, "nothing in the package imports kda_ops.compat"))
+    if (
+        _within(module, "kda_ops.compat")
+        and _within(imported, PACKAGE)
+        and not (_within(imported, "kda_ops.api") or _within(imported, "kda_ops.compat"))
+    ):
+        found.append(Violation(module, imported, line, "kda_ops.compat maps onto kda_ops.api alone"))
     return found
 
 
@@ -138,6 +149,8 @@ BAD = {
     "common imports api": ("kda_ops.common", "from kda_ops import api\n"),
     "triton imports ops": ("kda_ops.triton.launch", "from kda_ops import ops\n"),
     "reference imports ops (relative)": ("kda_ops.reference.naive", "from ..ops import TRITON_KERNELS\n"),
+    "api imports compat": ("kda_ops.api", "from kda_ops.compat import fla\n"),
+    "compat imports triton": ("kda_ops.compat.fla", "from kda_ops import triton\nfrom kda_ops import api\n"),
 }
 
 
@@ -154,6 +167,7 @@ GOOD = {
     "the package imports api": ("kda_ops", "from kda_ops.api import chunk_kda\n"),
     "nn imports api": ("kda_ops.nn", "from kda_ops import api\n"),
     "main imports api": ("kda_ops.__main__", "import kda_ops.api\n"),
+    "compat imports api": ("kda_ops.compat.fla", "from kda_ops import api\n"),
     "triton imports common": ("kda_ops.triton.chunk.scan", "from kda_ops.common import Options\nfrom .. import lang\n"),
     "reference imports transforms": ("kda_ops.reference.inputs", "from kda_ops.transforms import gate\n"),
 }

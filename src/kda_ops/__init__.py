@@ -3,13 +3,14 @@
 ``import kda_ops`` registers ``torch.ops.kda.*``. Public functions: :func:`chunk_kda` (training, prefill) and
 :func:`recurrent_kda` (decode, short sequences); both return ``(o, final_state or None)``.
 :func:`recurrent_kda_update_` is the serving step: it updates a pool of states in place and returns ``o``.
+:func:`kda_gate` computes the gate's log decay alone (``torch.ops.kda.gate``), for either schedule's ``g``.
 :func:`warmup` compiles the Triton kernels before a CUDA-graph capture.
 """
 
 from kda_ops import ops
 from kda_ops._warmup import warmup
-from kda_ops.api import chunk_kda, recurrent_kda, recurrent_kda_update_
+from kda_ops.api import chunk_kda, kda_gate, recurrent_kda, recurrent_kda_update_
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "chunk_kda", "ops", "recurrent_kda", "recurrent_kda_update_", "warmup"]
+__all__ = ["__version__", "chunk_kda", "kda_gate", "ops", "recurrent_kda", "recurrent_kda_update_", "warmup"]

@@ -324,6 +324,65 @@ def recurrent_kda_update_(
     )  # fmt: skip
 
 
+def kda_gate(
+    g: Tensor,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    lower_bound: float | None = None,
+    output_dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """The KDA gate alone: the log decay that ``use_gate_in_kernel`` computes inside both schedules, so it can be
+    computed once and passed as ``g`` to :func:`chunk_kda` and :func:`recurrent_kda`. Differentiable in ``g``,
+    ``A_log`` and ``dt_bias``; ``torch.ops.kda.gate``.
+
+    ``-exp(A_log) * softplus(g + dt_bias)``; with ``lower_bound``: ``lower_bound * sigmoid(exp(A_log) * (g +
+    dt_bias))``, and without ``A_log`` then ``lower_bound * sigmoid(g + dt_bias)``. Computed in float32 (float64
+    where an input is float64).
+
+    Args:
+        g: ``[..., H, K]`` (``[B, T, H, K]``, or ``[T, H, K]`` for packed rows), any float dtype: the raw input.
+        A_log: ``[H]``; may be None only with ``lower_bound``.
+        dt_bias: ``[H * K]`` (optional), added to ``g`` per head and channel.
+        lower_bound: a finite float (optional): the sigmoid form, with values in ``(lower_bound, 0)`` for a
+            negative bound.
+        output_dtype: the dtype of the result (default float32).
+
+    Returns:
+        The log decay, shaped like ``g``, in ``output_dtype``; its gradients to ``g``, ``A_log`` and ``dt_bias``
+        come in their dtypes.
+
+    Raises:
+        TypeError, ValueError: naming the argument that breaks the contract.
+    """
+    _check_float("g", g)
+    if g.dim() < 2:
+        _fail(ValueError, "g", "a tensor [..., H, K] of at least 2 dimensions", f"shape {list(g.shape)}")
+    H, K = g.shape[-2], g.shape[-1]
+    given: list[tuple[str, Tensor]] = []
+    if A_log is None:
+        if lower_bound is None:
+            _fail(ValueError, "A_log", f"a tensor [H] = [{H}] (it may be None only with a lower_bound)", None)
+    else:
+        _check_float("A_log", A_log)
+        _check_shape("A_log", A_log, (H,), "[H] (H from g [..., H, K])")
+        given.append(("A_log", A_log))
+    if dt_bias is not None:
+        _check_float("dt_bias", dt_bias)
+        _check_shape("dt_bias", dt_bias, (H * K,), "[H * K] (H, K from g [..., H, K])")
+        given.append(("dt_bias", dt_bias))
+    if lower_bound is not None and not (
+        isinstance(lower_bound, (int, float)) and not isinstance(lower_bound, bool) and math.isfinite(lower_bound)
+    ):
+        _fail(ValueError, "lower_bound", "a finite float", lower_bound)
+    if not isinstance(output_dtype, torch.dtype) or output_dtype not in _FLOAT:
+        _fail(TypeError, "output_dtype", "a floating-point torch.dtype", output_dtype)
+    for name, x in given:
+        if x.device != g.device:
+            _fail(ValueError, name, f"a tensor on g's device {g.device}", x.device)
+    y: Tensor = ops.gate(g, A_log, dt_bias, None if lower_bound is None else float(lower_bound), output_dtype)
+    return y
+
+
 chunk_kda.__doc__ = (
     "KDA over whole sequences by the chunkwise schedule (training, prefill). Differentiable.\n"
     + _DOC_ARGS.replace(
@@ -340,4 +399,4 @@ recurrent_kda.__doc__ = (
     "KDA token by token by the fused recurrent schedule (decode, short sequences). Differentiable.\n" + _DOC_ARGS
 )
 
-__all__ = ["chunk_kda", "recurrent_kda", "recurrent_kda_update_"]
+__all__ = ["chunk_kda", "kda_gate", "recurrent_kda", "recurrent_kda_update_"]

@@ -31,8 +31,13 @@ Schemas (``torch.ops.kda.*``)::
                       bool allow_neg_eigval) -> Tensor o
         the serving step: reads and writes state_pool [S, HV, K, V] in place at state_indices [N] (-1: padding);
         defined with Library.define rather than custom_op (eager overhead, see its section), not differentiable
+    gate(g, Tensor? A_log, Tensor? dt_bias, float? lower_bound, ScalarType output_dtype) -> Tensor
+        the gate alone, g [..., H, K] -> log decay [..., H, K] in output_dtype (computed in float32, float64 for
+        float64 inputs); differentiable through
+    gate_bwd(dy, g, Tensor? A_log, Tensor? dt_bias, float? lower_bound) -> (dg, dA_log, ddt_bias)
 
-Kernels: on CUDA the Triton kernels (:data:`TRITON_KERNELS`); on the CPU the PyTorch reference, or the Triton
+Kernels: the gate ops are elementwise PyTorch on every device. The others: on CUDA the Triton kernels
+(:data:`TRITON_KERNELS`); on the CPU the PyTorch reference, or the Triton
 kernels under ``TRITON_INTERPRET=1`` when :func:`cpu_backend` selects ``"triton"`` (the test switch). The choice is
 explicit: nothing falls back silently when a Triton kernel fails.
 
@@ -50,7 +55,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from kda_ops import reference
+from kda_ops import reference, transforms
 from kda_ops.common import Options, backward_outputs, forward_outputs, num_sequences, state_dtype
 
 # Ops with a Triton kernel: on CUDA they run it; on the CPU under the "triton" CPU backend (the interpreter tests).
@@ -515,6 +520,85 @@ def _autograd(bwd_op: Any) -> Callable[..., tuple[Optional[Tensor], ...]]:
 torch.library.register_autograd("kda::chunk", _autograd(chunk_bwd), setup_context=_setup_context, lib=_lib)
 torch.library.register_autograd("kda::recurrent", _autograd(recurrent_bwd), setup_context=_setup_context, lib=_lib)
 chunk_train.register_autograd(_autograd(chunk_bwd_saved), setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------- gate
+
+# The gate alone (the formulas of :mod:`kda_ops.transforms`), so that a caller computes the log decay once and
+# feeds it to both schedules. Elementwise torch code on every device: no Triton kernel, no host synchronisation.
+# Library.define for the forward (a per-layer eager call, as the other forward ops), custom_op for the backward.
+_lib.define("gate(Tensor g, Tensor? A_log, Tensor? dt_bias, float? lower_bound, ScalarType output_dtype) -> Tensor")
+
+
+def _gate_dtype(*tensors: Optional[Tensor]) -> torch.dtype:
+    """float32, or float64 where an input is float64 (the checks' precision)."""
+    return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in tensors) else torch.float32
+
+
+def _gate_impl(
+    g: Tensor,
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    lower_bound: Optional[float],
+    output_dtype: torch.dtype,
+) -> Tensor:
+    y = transforms.gate(g.to(_gate_dtype(g, A_log, dt_bias)), A_log, dt_bias, lower_bound)
+    return y.to(output_dtype).contiguous()  # contiguous as the fake: g may be a strided view
+
+
+def _gate_fake(
+    g: Tensor,
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    lower_bound: Optional[float],
+    output_dtype: torch.dtype,
+) -> Tensor:
+    return g.new_empty(g.shape, dtype=output_dtype)
+
+
+_lib.impl("gate", _gate_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("kda::gate", _gate_fake, lib=_lib)
+gate = torch.ops.kda.gate.default
+
+
+@torch.library.custom_op("kda::gate_bwd", mutates_args=())
+def gate_bwd(
+    dy: Tensor, g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor], lower_bound: Optional[float]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of ``kda::gate`` to ``g``, ``A_log`` and ``dt_bias``, each in its input's dtype (``(0,)`` where
+    the input is absent)."""
+    dtype = _gate_dtype(g, A_log, dt_bias)
+    dg, dA, ddt = transforms.gate_bwd(g.to(dtype), A_log, dt_bias, lower_bound, dy.to(dtype))
+    return (
+        dg.to(g.dtype).contiguous(),
+        g.new_empty(0) if A_log is None or dA is None else dA.to(A_log.dtype).view_as(A_log),
+        g.new_empty(0) if dt_bias is None or ddt is None else ddt.to(dt_bias.dtype).view_as(dt_bias),
+    )
+
+
+@gate_bwd.register_fake
+def _(
+    dy: Tensor, g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor], lower_bound: Optional[float]
+) -> tuple[Tensor, Tensor, Tensor]:
+    def like(x: Optional[Tensor]) -> Tensor:
+        return g.new_empty(0) if x is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    return torch.empty_like(g, memory_format=torch.contiguous_format), like(A_log), like(dt_bias)
+
+
+def _gate_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    g, A_log, dt_bias, lower_bound, _output_dtype = inputs
+    ctx.save_for_backward(g, A_log, dt_bias)
+    ctx.lower_bound = lower_bound
+
+
+def _gate_backward(ctx: Any, dy: Tensor) -> tuple[Optional[Tensor], ...]:
+    g, A_log, dt_bias = ctx.saved_tensors
+    dg, dA, ddt = gate_bwd(dy, g, A_log, dt_bias, ctx.lower_bound)
+    return dg, None if A_log is None else dA, None if dt_bias is None else ddt, None, None
+
+
+torch.library.register_autograd("kda::gate", _gate_backward, setup_context=_gate_setup_context, lib=_lib)
 
 
 # ------------------------------------------------------------------------------------- the public entries
