@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import kda_ops
 from kda_ops.compat import fla
+from kda_ops.testing import make_inputs
 
 B, T, H, HV, K, V = 2, 12, 2, 4, 8, 8
 EMPTY = inspect.Parameter.empty
@@ -229,8 +230,6 @@ REFUSED: dict[str, tuple[str, dict[str, Any], type[Exception], str]] = {
     "chunk state_v_first": ("chunk_kda", {"state_v_first": True}, NotImplementedError, "state_v_first"),
     "chunk transpose_state_layout": ("chunk_kda", {"transpose_state_layout": True}, NotImplementedError,
                                      "state_v_first"),
-    "chunk return_intermediate_states": ("chunk_kda", {"return_intermediate_states": True}, NotImplementedError,
-                                         "return_intermediate_states"),
     "chunk cp_context": ("chunk_kda", {"cp_context": object()}, NotImplementedError, "cp_context"),
     "recurrent state_v_first": ("fused_recurrent_kda", {"state_v_first": True}, NotImplementedError,
                                 "state_v_first"),
@@ -300,3 +299,17 @@ def test_compile_fullgraph_of_the_compat_functions() -> None:
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"])
     compiled = torch.compile(step, backend="eager", fullgraph=True)
     torch.testing.assert_close(compiled(*args), step(*args))
+
+
+def test_intermediate_states_as_the_peer_returns_them() -> None:
+    """``return_intermediate_states``: ``(o, final, h)``; packed with ``cu_seqlens_cpu``, ``h`` holds the chunks of
+    all sequences only, as the peer's."""
+    x = make_inputs(1, 200, 2, 16, 16, seed=11)
+    cu = torch.tensor([0, 70, 200])
+    with torch.inference_mode():
+        o, _, h = fla.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu, cu_seqlens_cpu=cu,
+                                return_intermediate_states=True)  # fmt: skip
+        o2, _, h2 = kda_ops.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu,
+                                      return_intermediate_states=True)  # fmt: skip
+    assert torch.equal(o, o2)
+    assert h.shape == (1, 2 + 3, 2, 16, 16) and torch.equal(h, h2[:, :5])

@@ -35,7 +35,7 @@ from kda_ops.api import chunk_kda, recurrent_kda, recurrent_kda_update_
 from kda_ops.common import num_sequences, state_dtype
 
 # keyword arguments of chunk_kda that recurrent_kda does not take, and those the serving step does not take either
-_CHUNK_ONLY = ("recompute_in_backward",)
+_CHUNK_ONLY = ("recompute_in_backward", "return_intermediate_states")
 _NOT_SERVING = ("initial_state", "output_final_state", *_CHUNK_ONLY)
 
 

@@ -9,7 +9,7 @@ they are not read, and values that break the contract give unspecified (but in-b
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor
@@ -154,14 +154,14 @@ def _run(
     use_beta_sigmoid_in_kernel: bool,
     allow_neg_eigval: bool,
     *extra: bool,
-) -> tuple[Tensor, Tensor | None]:
+) -> tuple[Tensor, ...]:
     s = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound)
-    o, final = entry(
+    o, final, *states = entry(
         q, k, v, g, beta, s, initial_state, cu_seqlens, A_log, dt_bias,
         None if lower_bound is None else float(lower_bound), bool(output_final_state), bool(use_qk_l2norm_in_kernel),
         bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval), *extra,
     )  # fmt: skip
-    return o, (final if output_final_state else None)
+    return (o, final if output_final_state else None, *states)
 
 
 _DOC_ARGS = """
@@ -191,6 +191,7 @@ _DOC_ARGS = """
 """
 
 
+@overload
 def chunk_kda(
     q: Tensor,
     k: Tensor,
@@ -210,12 +211,66 @@ def chunk_kda(
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
     recompute_in_backward: bool = False,
-) -> tuple[Tensor, Tensor | None]:
-    return _run(
+    return_intermediate_states: Literal[False] = False,
+) -> tuple[Tensor, Tensor | None]: ...
+
+
+@overload
+def chunk_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    lower_bound: float | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    recompute_in_backward: bool = False,
+    return_intermediate_states: Literal[True],
+) -> tuple[Tensor, Tensor | None, Tensor]: ...
+
+
+def chunk_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    lower_bound: float | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    recompute_in_backward: bool = False,
+    return_intermediate_states: bool = False,
+) -> tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, Tensor]:
+    if return_intermediate_states and ops.trains(q, k, v, g, beta, initial_state, A_log, dt_bias):
+        raise ValueError(
+            "return_intermediate_states: the per-chunk states are for inference (prefix caching) and carry no "
+            "gradient; call under torch.no_grad() or torch.inference_mode()"
+        )
+    o, final, *states = _run(
         ops.run_chunk, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
         use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel,
-        allow_neg_eigval, bool(recompute_in_backward),
+        allow_neg_eigval, bool(recompute_in_backward), bool(return_intermediate_states),
     )  # fmt: skip
+    return (o, final, states[0]) if return_intermediate_states else (o, final)
 
 
 def recurrent_kda(
@@ -237,11 +292,12 @@ def recurrent_kda(
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    return _run(
+    o, final = _run(
         ops.run_recurrent, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
         use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel,
         allow_neg_eigval,
     )  # fmt: skip
+    return o, final
 
 
 def _validate_pool(q: Tensor, v: Tensor, state_pool: Tensor, state_indices: Tensor, cu_seqlens: Tensor | None) -> None:
@@ -391,6 +447,10 @@ chunk_kda.__doc__ = (
             per-chunk factors in the backward (~2.2 GB less held per layer at T = 32k, H = 32, K = V = 128, for
             ~2.9 ms more backward on an H200). Default False: the forward keeps them (``torch.ops.kda.chunk_train``;
             the Triton kernels only, elsewhere the call recomputes anyway).
+        return_intermediate_states: also return the state entering each chunk of 64 tokens (for prefix caching;
+            not under autograd): ``[B, cdiv(T, 64), HV, K, V]``, or with ``cu_seqlens`` ``[1, cdiv(T, 64) + N,
+            HV, K, V]``: sequence ``n``'s chunks from its chunk offset ``sum_{m<n} cdiv(len_m, 64)``, the slots past
+            the last chunk zero (a static shape: no host sync). bf16 for 16-bit inputs, else float32.
 
     Returns:""",
     )

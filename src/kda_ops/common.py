@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+# Tokens per chunk of the chunkwise schedule (the Triton kernels' BT, the reference's default).
+CHUNK_SIZE = 64
 # The l2norm of q and k: x / sqrt(sum(x * x) + L2NORM_EPS), in the reference and every kernel.
 L2NORM_EPS = 1e-6
 # The smallest per-token log decay the kernels use: a g below it, -inf included (a hard reset), acts as it.
@@ -48,6 +50,12 @@ def forward_outputs(q: Tensor, v: Tensor, cu_seqlens: Tensor | None, output_fina
     o = torch.empty_like(v)
     shape = (num_sequences(q, cu_seqlens), HV, K, V) if output_final_state else (0,)
     return o, v.new_empty(shape, dtype=state_dtype(v))
+
+
+def chunk_states_dtype(v: Tensor) -> torch.dtype:
+    """dtype of the per-chunk states out of the chunk forward: bf16 for 16-bit inputs (the dtype the chunk kernels
+    keep them in), else the state dtype."""
+    return torch.bfloat16 if v.dtype in (torch.float16, torch.bfloat16) else state_dtype(v)
 
 
 def backward_outputs(

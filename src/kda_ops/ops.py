@@ -56,11 +56,21 @@ import torch
 from torch import Tensor
 
 from kda_ops import reference, transforms
-from kda_ops.common import Options, backward_outputs, forward_outputs, num_sequences, state_dtype
+from kda_ops.common import (
+    CHUNK_SIZE,
+    Options,
+    backward_outputs,
+    chunk_states_dtype,
+    forward_outputs,
+    num_sequences,
+    state_dtype,
+)
+from kda_ops.varlen import chunk_states_shape
 
 # Ops with a Triton kernel: on CUDA they run it; on the CPU under the "triton" CPU backend (the interpreter tests).
 TRITON_KERNELS: frozenset[str] = frozenset(
-    {"chunk", "chunk_bwd", "chunk_train", "chunk_bwd_saved", "recurrent", "recurrent_bwd", "recurrent_update_"}
+    {"chunk", "chunk_states", "chunk_bwd", "chunk_train", "chunk_bwd_saved", "recurrent", "recurrent_bwd",
+     "recurrent_update_"}  # fmt: skip
 )
 
 _cpu_backend = os.environ.get("KDA_OPS_CPU_BACKEND", "reference")
@@ -163,9 +173,11 @@ _FORWARD_SCHEMA = (
 _lib = torch.library.Library("kda", "FRAGMENT")
 
 
-def _forward(op: str, ref: Callable[..., tuple[Tensor, Tensor]]) -> Any:
-    """Define the forward op ``kda::<op>`` whose reference kernel is ``ref``; return its OpOverload."""
-    _lib.define(op + _FORWARD_SCHEMA)
+def _forward(op: str, ref: Callable[..., tuple[Tensor, ...]], states: bool = False) -> Any:
+    """Define the forward op ``kda::<op>`` whose reference kernel is ``ref``; return its OpOverload. With ``states``
+    it returns a third tensor, the state entering each chunk (:func:`kda_ops.varlen.chunk_states`)."""
+    _lib.define(op + (_FORWARD_SCHEMA.replace("-> (Tensor, Tensor)", "-> (Tensor, Tensor, Tensor)") if states
+                      else _FORWARD_SCHEMA))  # fmt: skip
 
     def fwd(
         q: Tensor,
@@ -184,7 +196,7 @@ def _forward(op: str, ref: Callable[..., tuple[Tensor, Tensor]]) -> Any:
         use_gate_in_kernel: bool,
         use_beta_sigmoid_in_kernel: bool,
         allow_neg_eigval: bool,
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, ...]:
         opts = _options(
             lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval
         )
@@ -205,8 +217,13 @@ def _forward(op: str, ref: Callable[..., tuple[Tensor, Tensor]]) -> Any:
         lower_bound: Optional[float],
         output_final_state: bool,
         *flags: bool,
-    ) -> tuple[Tensor, Tensor]:
-        return forward_outputs(q, v, cu_seqlens, output_final_state)
+    ) -> tuple[Tensor, ...]:
+        o, final = forward_outputs(q, v, cu_seqlens, output_final_state)
+        if not states:
+            return o, final
+        B, T, _, K = q.shape
+        lead = chunk_states_shape(B, T, num_sequences(q, cu_seqlens), cu_seqlens is not None, CHUNK_SIZE)
+        return o, final, v.new_empty(*lead, v.shape[2], K, v.shape[3], dtype=chunk_states_dtype(v))
 
     # every backend, as custom_op registers it (CUDA and the CPU pick their kernel above; other devices run the
     # reference); fake tensors take the fake function below
@@ -289,6 +306,7 @@ def _reference_bwd(
 
 
 chunk = _forward("chunk", reference.chunk_fwd)
+chunk_states = _forward("chunk_states", reference.chunk_fwd_states, states=True)
 recurrent = _forward("recurrent", reference.recurrent_fwd)
 chunk_bwd = _backward("chunk_bwd", _reference_bwd)
 recurrent_bwd = _backward("recurrent_bwd", _reference_bwd)
@@ -604,7 +622,7 @@ torch.library.register_autograd("kda::gate", _gate_backward, setup_context=_gate
 # ------------------------------------------------------------------------------------- the public entries
 
 
-def _trains(*tensors: Optional[Tensor]) -> bool:
+def trains(*tensors: Optional[Tensor]) -> bool:
     """Whether autograd records a call on these inputs (grad mode on and one of them requires grad)."""
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
 
@@ -627,19 +645,25 @@ def run_chunk(
     use_beta_sigmoid_in_kernel: bool,
     allow_neg_eigval: bool,
     recompute_in_backward: bool,
-) -> tuple[Tensor, Tensor]:
+    return_intermediate_states: bool = False,
+) -> tuple[Tensor, ...]:
     """``kda::chunk`` on validated arguments, or the training pair ``kda::chunk_train`` where autograd records the
     call on the Triton kernels and ``recompute_in_backward`` is off (the forward keeps its factors for the
-    backward); ``(o, final_state)``."""
+    backward); ``(o, final_state)``. With ``return_intermediate_states`` (not under autograd: the api checks)
+    ``kda::chunk_states``: ``(o, final_state, states)``."""
     tensors = (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
     op = chunk
-    if not recompute_in_backward and _trains(*tensors) and uses_triton("chunk_train", q.device):
+    if return_intermediate_states:
+        op = chunk_states
+    elif not recompute_in_backward and trains(*tensors) and uses_triton("chunk_train", q.device):
         op = chunk_train
     fn = _direct(op, tensors) or op
     o, final, *_kept = fn(
         q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, lower_bound, output_final_state,
         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
     )  # fmt: skip
+    if return_intermediate_states:
+        return o, final, _kept[0]
     return o, final
 
 

@@ -39,6 +39,26 @@ def num_chunk_slots(T: int, N: int, C: int) -> int:
     return (T + C - 1) // C + N
 
 
+def chunk_states_shape(B: int, T: int, N: int, packed: bool, C: int) -> tuple[int, int]:
+    """The leading dimensions of the per-chunk states of ``chunk_kda(..., return_intermediate_states=True)``: a dense
+    batch ``(B, cdiv(T, C))``; packed sequences ``(1, cdiv(B*T, C) + N)``, the static chunk-slot count (sequence
+    ``n``'s chunks at its chunk offset ``sum_{m<n} cdiv(len_m, C)``, the slots past the last chunk zero)."""
+    if packed:
+        return 1, num_chunk_slots(B * T, N, C)
+    return B, (T + C - 1) // C
+
+
+def chunk_states(Hin: Tensor, count: Tensor, B: int, T: int, packed: bool, C: int, dtype: torch.dtype) -> Tensor:
+    """The state entering each chunk, ``[*chunk_states_shape, HV, K, V]`` in ``dtype``, from ``Hin [NC, HV, K, V]``
+    per chunk slot (``count``: the tokens of each slot)."""
+    if packed:
+        h: Tensor = torch.where((count > 0).view(-1, 1, 1, 1), Hin.to(dtype), Hin.new_zeros((), dtype=dtype))
+        return h.unsqueeze(0)
+    nch = (T + C - 1) // C
+    dense: Tensor = Hin[: B * nch].to(dtype).unflatten(0, (B, nch))
+    return dense
+
+
 def sequence_chunks(cu_seqlens: Tensor, C: int) -> tuple[Tensor, Tensor]:
     """Per sequence of sanitized ``cu_seqlens``: its number of chunks ``cdiv(len, C)`` and the chunk index one past
     its last chunk (their inclusive prefix sum), ``[N]`` int64 each. The first slot is ``ends - chunks``."""

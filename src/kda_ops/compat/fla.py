@@ -11,9 +11,11 @@ onto :func:`kda_ops.chunk_kda`, :func:`kda_ops.recurrent_kda` and :func:`kda_ops
   ``chunk_size`` other than 32 or 64, ``safe_gate`` with the in-kernel gate and no ``lower_bound`` in ``[-5, 0)``,
   and ``use_graph`` with ``cu_seqlens`` not of ``max_num_seqs + 1`` entries raise ``ValueError``;
 - options that would change the result and that kda-ops does not have raise ``NotImplementedError`` naming them:
-  ``state_v_first=True`` (or its old name ``transpose_state_layout``), ``return_intermediate_states=True``,
-  ``cp_context``; in ``fused_recurrent_kda`` ``ssm_state_indices`` and ``num_accepted_tokens`` (a pool of states:
-  :func:`kda_ops.recurrent_kda_update_` serves one slot per sequence) and a per-channel ``beta [B, T, HV, V]``;
+  ``state_v_first=True`` (or its old name ``transpose_state_layout``), ``cp_context``; in ``fused_recurrent_kda``
+  ``ssm_state_indices`` and ``num_accepted_tokens`` (a pool of states: :func:`kda_ops.recurrent_kda_update_`
+  serves one slot per sequence) and a per-channel ``beta [B, T, HV, V]``;
+- ``return_intermediate_states=True`` returns ``(o, final_state, h)``; packed, ``h`` is the peer's ``[1, NT, ...]``
+  when ``cu_seqlens_cpu`` is given, else kda-ops' static ``[1, cdiv(T, 64) + N, ...]`` whose first NT are those;
 - as in the peer, ``A_log``, ``dt_bias`` and ``lower_bound`` are ignored unless ``use_gate_in_kernel=True``, and
   ``allow_neg_eigval=True`` needs ``use_beta_sigmoid_in_kernel=True`` (``ValueError``); ``A_log`` and ``dt_bias``
   are keyword arguments of ``chunk_kda``. Any other keyword raises ``TypeError`` (the peer drops unknown keywords
@@ -87,7 +89,7 @@ def chunk_kda(
     use_graph: bool = False,
     max_num_seqs: int | None = None,
     **kwargs: Any,
-) -> tuple[Tensor, Tensor | None]:
+) -> tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, Tensor]:
     """``fla.ops.kda.chunk_kda`` on :func:`kda_ops.chunk_kda`; ``(o, final_state or None)``.
 
     Keywords beyond the signature, as in the peer: ``A_log [HV]`` and ``dt_bias [HV * K]`` (with
@@ -97,8 +99,6 @@ def chunk_kda(
     A_log, dt_bias = kwargs.pop("A_log", None), kwargs.pop("dt_bias", None)
     chunk_size = kwargs.pop("chunk_size", 64)
     _no_other_keywords("chunk_kda", kwargs)
-    if return_intermediate_states:
-        _refuse("return_intermediate_states", "returning the state at every chunk boundary")
     if cp_context is not None:
         _refuse("cp_context", "context parallelism")
     if chunk_size not in _CHUNK_SIZES:
@@ -116,13 +116,22 @@ def chunk_kda(
         )
     if not use_gate_in_kernel:
         A_log = dt_bias = lower_bound = None
-    return api.chunk_kda(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+    call: dict[str, Any] = dict(
+        scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
         recompute_in_backward=False,
     )  # fmt: skip
+    if not return_intermediate_states:
+        return api.chunk_kda(q, k, v, g, beta, **call)
+    o, final, h = api.chunk_kda(q, k, v, g, beta, **call, return_intermediate_states=True)
+    if cu_seqlens is not None and cu_seqlens_cpu is not None:
+        # the peer's [1, NT, ...] with NT the chunks of all sequences, counted on the host copy (no device sync);
+        # without it the static [1, cdiv(T, 64) + N, ...] whose first NT are those
+        lens = cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]
+        h = h[:, : int(((lens + 63) // 64).sum())]
+    return o, final, h
 
 
 def fused_recurrent_kda(

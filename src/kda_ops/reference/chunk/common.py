@@ -13,10 +13,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kda_ops.common import CHUNK_SIZE
 from kda_ops.transforms import floor_log_decay
 from kda_ops.varlen import ChunkSlots
 
-DEFAULT_CHUNK_SIZE = 64
+DEFAULT_CHUNK_SIZE = CHUNK_SIZE
 
 
 def chunk_local_cumsum(g: Tensor) -> Tensor:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from kda_ops.common import Options, state_dtype
+from kda_ops.common import Options, chunk_states_dtype, state_dtype
 from kda_ops.reference.chunk.common import (
     DEFAULT_CHUNK_SIZE,
     chunk_local_cumsum,
@@ -24,7 +24,7 @@ from kda_ops.reference.chunk.intra import intra_chunk
 from kda_ops.reference.chunk.prepare import prepare_flat
 from kda_ops.reference.chunk.scan import state_scan
 from kda_ops.reference.chunk.solve import solve_unit_lower, wy_factors
-from kda_ops.varlen import ChunkSlots, chunk_slots, flat_cu_seqlens
+from kda_ops.varlen import ChunkSlots, chunk_slots, chunk_states, flat_cu_seqlens
 
 
 @dataclass
@@ -117,12 +117,34 @@ def chunk_fwd(
 
     Computes in float32 (float64 for float64 inputs); the final state is float32 (float64).
     """
+    o, final, _ = chunk_fwd_states(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts,
+                                   output_final_state, chunk_size)  # fmt: skip
+    return o, final
+
+
+def chunk_fwd_states(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    opts: Options,
+    output_final_state: bool,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`chunk_fwd` and the state entering each chunk (:func:`kda_ops.varlen.chunk_states`)."""
     B, T = q.shape[:2]
     qp, kp, vp, gp, bp, h0, cu = flatten_inputs(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, opts)
     st = forward_chunks(qp, kp, vp, gp, bp, scale, h0, cu, chunk_size)
     o = scatter(_outputs(st, scale), st.index, B * T).unflatten(0, (B, T))
     final = st.final if output_final_state else st.final.new_empty(0)
-    return o.to(v.dtype), final
+    states = chunk_states(st.Hin, st.slots.count, B, T, cu_seqlens is not None, chunk_size, chunk_states_dtype(v))
+    return o.to(v.dtype), final, states
 
 
-__all__ = ["ChunkState", "chunk_fwd", "flatten_inputs", "forward_chunks"]
+__all__ = ["ChunkState", "chunk_fwd", "chunk_fwd_states", "flatten_inputs", "forward_chunks"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from kda_ops.common import Options, forward_outputs, num_sequences, state_dtype
+from kda_ops.common import Options, chunk_states_dtype, forward_outputs, num_sequences, state_dtype
 from kda_ops.triton.chunk.inputs import transform_inputs
 from kda_ops.triton.chunk.output import chunk_output
 from kda_ops.triton.chunk.precision import Precision, precision_for
@@ -35,7 +35,9 @@ from kda_ops.triton.chunk.recompute import (
 )
 from kda_ops.triton.chunk.scan import chunk_state
 from kda_ops.triton.chunk.slots import slot_map
+from kda_ops.triton.chunk.tiles import BT
 from kda_ops.triton.launch import contiguous, flat, poison
+from kda_ops.varlen import chunk_states, chunk_states_shape
 
 
 def _opt(x: Tensor | None) -> Tensor | None:
@@ -62,12 +64,39 @@ def chunk_fwd(
     The signature of ``reference.chunk_fwd`` (chunk size fixed at 64); ``precision`` defaults to
     :func:`~kda_ops.triton.chunk.precision.precision_for` of v's dtype.
     """
+    o, final, _ = _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts,
+                           output_final_state, precision, states=False)  # fmt: skip
+    return o, final
+
+
+def _forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    opts: Options,
+    output_final_state: bool,
+    precision: Precision | None,
+    states: bool,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """:func:`chunk_fwd`'s outputs, and with ``states`` the state entering each chunk."""
     B, T = q.shape[:2]
     v = contiguous(v)
     o, final = forward_outputs(q, v, cu_seqlens, output_final_state)
     h0 = None if initial_state is None else contiguous(initial_state.to(state_dtype(v)))
+    packed = cu_seqlens is not None
     if B * T == 0:
-        return o, final_without_tokens(final, h0, output_final_state)
+        final = final_without_tokens(final, h0, output_final_state)
+        if not states:
+            return o, final, None
+        lead = chunk_states_shape(B, T, num_sequences(q, cu_seqlens), packed, BT)
+        return o, final, v.new_zeros(*lead, v.shape[2], q.shape[3], v.shape[3], dtype=chunk_states_dtype(v))
     p = precision or precision_for(v.dtype)
     slots = slot_map(cu_seqlens, B, T, v.device)
     cu = slots.cu
@@ -89,7 +118,31 @@ def chunk_fwd(
         Qt=f.Qt, Mqk=f.MqkTb, Hin=Hin, E=X, slots=slots, precision=p, out_dtype=o.dtype,
         out=o.view(B * T, *o.shape[2:]), norms=f.Nrm,
     )
-    return o, final
+    if not states:
+        return o, final, None
+    return o, final, chunk_states(Hin, slots.count, B, T, packed, BT, chunk_states_dtype(v))
+
+
+def chunk_fwd_states(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    opts: Options,
+    output_final_state: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`chunk_fwd` and the state entering each chunk (:func:`kda_ops.varlen.chunk_states`): the kernel of
+    ``torch.ops.kda.chunk_states``, with the signature of ``reference.chunk_fwd_states``."""
+    o, final, h = _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts,
+                           output_final_state, None, states=True)  # fmt: skip
+    assert h is not None
+    return o, final, h
 
 
 def final_without_tokens(final: Tensor, h0: Tensor | None, output_final_state: bool) -> Tensor:
@@ -154,4 +207,4 @@ def chunk_fwd_train(
     return (o, final, *fw.tensors(), q.new_empty(0) if norms is None else norms)
 
 
-__all__ = ["chunk_fwd", "chunk_fwd_train", "final_without_tokens"]
+__all__ = ["chunk_fwd", "chunk_fwd_states", "chunk_fwd_train", "final_without_tokens"]
