@@ -76,3 +76,21 @@ def test_good_input_passes() -> None:
     o, s = kda_ops.chunk_kda(**x, cu_seqlens=torch.tensor([0, 3, 8], dtype=torch.int32), output_final_state=True,
                              initial_state=make_state(2, 4, 4, 4))  # fmt: skip
     assert o.shape == (1, 8, 4, 4) and s is not None and s.shape == (2, 4, 4, 4)
+
+
+def test_self_check_runs_an_empty_batch(capsys: pytest.CaptureFixture[str]) -> None:
+    from kda_ops.__main__ import main
+
+    assert main(["--B", "0", "--T", "8", "--no-compile", "--iters", "1"]) == 0
+    assert "OK" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("flags", "named"), [(["--HV", "3"], "--HV"), (["--B", "-1"], "--B"), (["--K", "300"], "--K")])
+def test_self_check_refuses_a_bad_problem_by_its_flag(flags: list[str], named: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    from kda_ops.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([*flags, "--no-compile", "--iters", "1"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and named in err and "Traceback" not in err, err
