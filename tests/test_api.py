@@ -35,7 +35,12 @@ BAD: dict[str, tuple[Callable[[], dict[str, Any]], type[Exception], str]] = {
     "beta shape": (_case(beta=lambda x: x["beta"][..., None]), ValueError, "beta"),
     "int q": (_case(q=lambda x: x["q"].long()), TypeError, "q"),
     "int beta": (_case(beta=lambda x: x["beta"].int()), TypeError, "beta"),
-    "q/v dtype": (_case(v=lambda x: x["v"].double()), TypeError, "k"),
+    "q list": (_case(q=lambda x: x["q"].tolist()), TypeError, "q"),
+    "beta list": (_case(beta=lambda x: x["beta"].tolist()), TypeError, "beta"),
+    "q/v dtype": (_case(v=lambda x: x["v"].double()), TypeError, "v"),
+    "v fp16, q and k fp32": (_case(v=lambda x: x["v"].half()), TypeError, "v"),
+    "q/k dtype": (_case(k=lambda x: x["k"].half()), TypeError, "k"),
+    "q the odd one out": (_case(k=lambda x: x["k"].half(), v=lambda x: x["v"].half()), TypeError, "q"),
     "HV not multiple": (_case(v=lambda x: x["v"][:, :, :3], g=lambda x: x["g"][:, :, :3],
                               beta=lambda x: x["beta"][:, :, :3]), ValueError, "v"),  # fmt: skip
     "K > 256": (lambda: make_inputs(1, 2, 1, 257, 4), ValueError, "q"),

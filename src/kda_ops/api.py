@@ -25,7 +25,8 @@ def _fail(cls: type[Exception], name: str, expected: str, got: Any) -> None:
     raise cls(f"{name}: expected {expected}, got {got}")
 
 
-def _check_float(name: str, x: Tensor) -> None:
+def check_float(name: str, x: Tensor) -> None:
+    """A floating-point torch.Tensor, or a TypeError naming the argument (shared with :func:`kda_ops.warmup`)."""
     if not isinstance(x, Tensor):
         _fail(TypeError, name, "a torch.Tensor", type(x).__name__)
     if x.dtype not in _FLOAT:
@@ -53,7 +54,7 @@ def _validate(
 ) -> float:
     """Check every argument against the contract; return the scale to use."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        _check_float(name, x)
+        check_float(name, x)
     if q.dim() != 4:
         _fail(ValueError, "q", "a 4-D tensor [B, T, H, K]", f"shape {list(q.shape)}")
     B, T, H, K = q.shape
@@ -68,7 +69,9 @@ def _validate(
     if V == 0 or V > MAX_HEAD_DIM:
         _fail(ValueError, "v", f"a head dimension V in [1, {MAX_HEAD_DIM}]", f"V = {V}")
     if q.dtype != k.dtype or q.dtype != v.dtype:
-        _fail(TypeError, "k", f"q, k and v of one dtype (q is {q.dtype})", f"k {k.dtype}, v {v.dtype}")
+        # name the odd one out: q when k and v agree, else the first of k and v that differs from q
+        odd = "q" if k.dtype == v.dtype else "k" if k.dtype != q.dtype else "v"
+        _fail(TypeError, odd, "q, k and v of one dtype", f"q {q.dtype}, k {k.dtype}, v {v.dtype}")
     _check_shape("g", g, (B, T, HV, K), "[B, T, HV, K]")
     _check_shape("beta", beta, (B, T, HV), "[B, T, HV]")
     device = q.device
@@ -90,7 +93,7 @@ def _validate(
             _check_cu_seqlens_values(cu_seqlens, T)
 
     if initial_state is not None:
-        _check_float("initial_state", initial_state)
+        check_float("initial_state", initial_state)
         _check_shape("initial_state", initial_state, (N, HV, K, V), "[N, HV, K, V]")
         others.append(("initial_state", initial_state))
 
@@ -98,11 +101,11 @@ def _validate(
         if A_log is None and lower_bound is None:
             _fail(ValueError, "A_log", "a tensor [HV] (or a lower_bound) with use_gate_in_kernel=True", None)
         if A_log is not None:
-            _check_float("A_log", A_log)
+            check_float("A_log", A_log)
             _check_shape("A_log", A_log, (HV,), "[HV]")
             others.append(("A_log", A_log))
         if dt_bias is not None:
-            _check_float("dt_bias", dt_bias)
+            check_float("dt_bias", dt_bias)
             _check_shape("dt_bias", dt_bias, (HV * K,), "[HV * K]")
             others.append(("dt_bias", dt_bias))
         if lower_bound is not None and not (isinstance(lower_bound, (int, float)) and math.isfinite(lower_bound)):
@@ -248,7 +251,7 @@ def _validate_pool(q: Tensor, v: Tensor, state_pool: Tensor, state_indices: Tens
     """Check the serving step's pool and slot indices (after :func:`_validate` checked the rest)."""
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     N = num_sequences(q, cu_seqlens)
-    _check_float("state_pool", state_pool)
+    check_float("state_pool", state_pool)
     if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (HV, K, V):
         _fail(ValueError, "state_pool", f"shape [S, HV, K, V] with HV, K, V = {HV}, {K}, {V}", list(state_pool.shape))
     if state_pool.dtype not in (torch.float32, torch.float64):
