@@ -33,6 +33,38 @@ def check_float(name: str, x: Tensor) -> None:
         _fail(TypeError, name, "a floating-point tensor (float16, bfloat16, float32 or float64)", x.dtype)
 
 
+def check_flags(*flags: tuple[str, object]) -> None:
+    """Each ``(name, value)`` a bool, or a TypeError naming it (a string or a tensor would be truthy by accident)."""
+    for name, value in flags:
+        if not isinstance(value, bool):
+            _fail(TypeError, name, "a bool", repr(value))
+
+
+def _lower_bound(lower_bound: object) -> float:
+    """The gate's bound as a Python float: a real number, or a 0-dim CPU tensor (reading it does not synchronise
+    with any device; under ``torch.compile`` a tensor's value is not known while tracing, so a float is needed)."""
+    if isinstance(lower_bound, Tensor):
+        if lower_bound.device.type != "cpu" or lower_bound.dim() != 0 or torch.compiler.is_compiling():
+            _fail(TypeError, "lower_bound", "a Python float or a 0-dim CPU tensor in eager mode (reading a "
+                  "device tensor's value would synchronise with the device: pass a float)",
+                  f"a {lower_bound.dim()}-dim tensor on {lower_bound.device}")  # fmt: skip
+        if lower_bound.dtype == torch.bool or lower_bound.is_complex():
+            _fail(TypeError, "lower_bound", "a real number", lower_bound.dtype)
+        lower_bound = lower_bound.item()  # sync-ok: a CPU tensor, eager only
+    if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+        raise TypeError(f"lower_bound: expected a Python float, got {type(lower_bound).__name__}")
+    value = float(lower_bound)
+    # g = lower_bound * sigmoid(z) is a log decay (<= 0): a positive bound would grow the state; 0 means no decay
+    if not (math.isfinite(value) and value <= 0):
+        _fail(ValueError, "lower_bound", "a finite float <= 0 (the log decay is lower_bound * sigmoid(z))", value)
+    return value
+
+
+def _flag(name: str, value: bool) -> bool:
+    check_flags((name, value))
+    return value
+
+
 def _check_shape(name: str, x: Tensor, shape: tuple[int, ...], text: str) -> None:
     if x.shape != shape:
         _fail(ValueError, name, f"shape {text} = {list(shape)}", list(x.shape))
@@ -50,9 +82,9 @@ def _validate(
     use_gate_in_kernel: bool,
     A_log: Tensor | None,
     dt_bias: Tensor | None,
-    lower_bound: float | None,
-) -> float:
-    """Check every argument against the contract; return the scale to use."""
+    lower_bound: float | Tensor | None,
+) -> tuple[float, float | None]:
+    """Check every argument against the contract; return the scale and the gate's lower bound to use."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         check_float(name, x)
     if q.dim() != 4:
@@ -108,9 +140,9 @@ def _validate(
             check_float("dt_bias", dt_bias)
             _check_shape("dt_bias", dt_bias, (HV * K,), "[HV * K]")
             others.append(("dt_bias", dt_bias))
-        if lower_bound is not None and not (isinstance(lower_bound, (int, float)) and math.isfinite(lower_bound)):
-            _fail(ValueError, "lower_bound", "a finite float", lower_bound)
+        bound = None if lower_bound is None else _lower_bound(lower_bound)
     else:
+        bound = None
         for name, given in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
             if given is not None:
                 _fail(ValueError, name, "None unless use_gate_in_kernel=True", type(given).__name__)
@@ -121,10 +153,10 @@ def _validate(
             _fail(ValueError, name, f"every tensor on q's device {device}", odd)
 
     if scale is None:
-        return float(K**-0.5)
+        return float(K**-0.5), bound
     if isinstance(scale, Tensor) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         _fail(TypeError, "scale", "a finite Python float (a new value recompiles a compiled graph)", scale)
-    return float(scale)
+    return float(scale), bound
 
 
 def _check_cu_seqlens_values(cu_seqlens: Tensor, T: int) -> None:
@@ -153,16 +185,22 @@ def _run(
     use_gate_in_kernel: bool,
     A_log: Tensor | None,
     dt_bias: Tensor | None,
-    lower_bound: float | None,
+    lower_bound: float | Tensor | None,
     use_beta_sigmoid_in_kernel: bool,
     allow_neg_eigval: bool,
     *extra: bool,
 ) -> tuple[Tensor, Tensor | None]:
-    s = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound)
+    check_flags(
+        ("output_final_state", output_final_state), ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
+        ("use_gate_in_kernel", use_gate_in_kernel), ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
+        ("allow_neg_eigval", allow_neg_eigval),
+    )  # fmt: skip
+    s, bound = _validate(
+        q, k, v, g, beta, scale, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound
+    )
     o, final = entry(
-        q, k, v, g, beta, s, initial_state, cu_seqlens, A_log, dt_bias,
-        None if lower_bound is None else float(lower_bound), bool(output_final_state), bool(use_qk_l2norm_in_kernel),
-        bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval), *extra,
+        q, k, v, g, beta, s, initial_state, cu_seqlens, A_log, dt_bias, bound, output_final_state,
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, *extra,
     )  # fmt: skip
     return o, (final if output_final_state else None)
 
@@ -182,7 +220,8 @@ _DOC_ARGS = """
         use_qk_l2norm_in_kernel: normalise q and k: ``x / sqrt(sum(x * x) + 1e-6)``.
         use_gate_in_kernel: ``g = -exp(A_log) * softplus(g + dt_bias)``, or with ``lower_bound``
             ``g = lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`` (``A_log`` may be None then).
-        A_log: ``[HV]``; dt_bias: ``[HV * K]`` (optional); lower_bound: a float (optional).
+        A_log: ``[HV]``; dt_bias: ``[HV * K]`` (optional); lower_bound: a float ``<= 0`` (optional; a 0-dim CPU
+            tensor is read in eager mode; 0 means no decay).
         use_beta_sigmoid_in_kernel: ``beta = sigmoid(beta)``.
         allow_neg_eigval: beta times 2 (after the sigmoid, if any), so the write can flip a direction.
 
@@ -190,7 +229,7 @@ _DOC_ARGS = """
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state ``[N, HV, K, V]`` float32 or None.
 
     Raises:
-        TypeError, ValueError: naming the argument that breaks the contract.
+        TypeError, ValueError: naming the argument that breaks the contract (the flags must be bools).
 """
 
 
@@ -209,7 +248,7 @@ def chunk_kda(
     use_gate_in_kernel: bool = False,
     A_log: Tensor | None = None,
     dt_bias: Tensor | None = None,
-    lower_bound: float | None = None,
+    lower_bound: float | Tensor | None = None,
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
     recompute_in_backward: bool = False,
@@ -217,7 +256,7 @@ def chunk_kda(
     return _run(
         ops.run_chunk, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
         use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel,
-        allow_neg_eigval, bool(recompute_in_backward),
+        allow_neg_eigval, _flag("recompute_in_backward", recompute_in_backward),
     )  # fmt: skip
 
 
@@ -236,7 +275,7 @@ def recurrent_kda(
     use_gate_in_kernel: bool = False,
     A_log: Tensor | None = None,
     dt_bias: Tensor | None = None,
-    lower_bound: float | None = None,
+    lower_bound: float | Tensor | None = None,
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
@@ -292,7 +331,7 @@ def recurrent_kda_update_(
     use_gate_in_kernel: bool = False,
     A_log: Tensor | None = None,
     dt_bias: Tensor | None = None,
-    lower_bound: float | None = None,
+    lower_bound: float | Tensor | None = None,
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
 ) -> Tensor:
@@ -318,12 +357,15 @@ def recurrent_kda_update_(
     Raises:
         TypeError, ValueError: naming the argument that breaks the contract.
     """
-    s = _validate(q, k, v, g, beta, scale, None, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound)
+    check_flags(
+        ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel), ("use_gate_in_kernel", use_gate_in_kernel),
+        ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel), ("allow_neg_eigval", allow_neg_eigval),
+    )  # fmt: skip
+    s, bound = _validate(q, k, v, g, beta, scale, None, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound)
     _validate_pool(q, v, state_pool, state_indices, cu_seqlens)
     return ops.run_update(
-        q, k, v, g, beta, state_pool, state_indices, s, cu_seqlens, A_log, dt_bias,
-        None if lower_bound is None else float(lower_bound), bool(use_qk_l2norm_in_kernel),
-        bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval),
+        q, k, v, g, beta, state_pool, state_indices, s, cu_seqlens, A_log, dt_bias, bound, use_qk_l2norm_in_kernel,
+        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
     )  # fmt: skip
 
 
