@@ -1,4 +1,4 @@
-"""Chunkwise KDA forward benchmark (issue 4): kda_ops against fla-core's ``chunk_kda`` and causal SDPA.
+"""Chunkwise KDA forward benchmark: kda_ops against fla-core's ``chunk_kda`` and causal SDPA.
 
 Same call on both KDA sides: q, k, v bf16 ``[B, T, H, 128]`` with ``use_qk_l2norm_in_kernel=True``, g a
 precomputed fp32 log decay ``logsigmoid(randn)``, beta bf16 in [0, 1], ``output_final_state=True``, no initial

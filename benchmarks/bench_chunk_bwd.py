@@ -1,4 +1,4 @@
-"""Chunkwise KDA forward + backward benchmark (issue 5): kda_ops against fla-core's ``chunk_kda`` and causal SDPA.
+"""Chunkwise KDA forward + backward benchmark: kda_ops against fla-core's ``chunk_kda`` and causal SDPA.
 
 Same call on both KDA sides (``bench_chunk.py``'s inputs): q, k, v bf16 ``[B, T, H, 128]`` with
 ``use_qk_l2norm_in_kernel=True``, g = logsigmoid(randn) fp32, beta bf16 in [0, 1], ``output_final_state=True``;
@@ -106,7 +106,7 @@ def grad_errors(fn: Callable[..., Any], x: dict[str, torch.Tensor], do: torch.Te
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--wheels", nargs="*", default=sorted(glob.glob(str(ROOT / ".whl" / "*.whl"))))
     ap.add_argument("--shapes", type=int, default=len(SHAPES), help="time only the first N shapes")
@@ -116,6 +116,8 @@ def main() -> None:
                     help="leave fla out (its first call at a new shape autotunes for minutes)")  # fmt: skip
     ap.add_argument("--profile", action="store_true", help="also list our kernels' GPU time at the first shape")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_chunk_bwd: needs a CUDA GPU")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     fla_fn, fla_src = (None, "fla skipped") if args.skip_fla else load_fla(args.wheels)

@@ -1,4 +1,4 @@
-"""Short-prefill latency (issue 6): one chunkwise forward at B1 T1024 H32 K=V=128 bf16, kda_ops against fla-core.
+"""Short-prefill latency: one chunkwise forward at B1 T1024 H32 K=V=128 bf16, kda_ops against fla-core.
 
 The call of both sides: q, k, v bf16 ``[1, 1024, 32, 128]`` with the l2norm in kernel, g a precomputed fp32 log
 decay ``logsigmoid(randn)``, beta bf16 in [0, 1], ``output_final_state=True`` (``bench_chunk.py``'s inputs). For a

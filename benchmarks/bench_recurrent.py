@@ -1,4 +1,4 @@
-"""Decode-step benchmark of the fused recurrent KDA kernels (issue 3), against fla-core's ``fused_recurrent_kda``.
+"""Decode-step benchmark of the fused recurrent KDA kernels, against fla-core's ``fused_recurrent_kda``.
 
 One decode step: every sequence gets one token (T = 1), H = HV = 32, K = V = 128, bf16 inputs, fp32 state,
 ``use_qk_l2norm_in_kernel=True``. Measured in one run, for B in {1, 16, 64, 256}:
@@ -16,9 +16,9 @@ bandwidth measured in the same run (a torch copy of a large tensor: bytes read +
 fla is imported from the environment, or from wheels given by ``--wheels`` (default: ``.whl/*.whl`` of the
 repository, e.g. fla_core-0.6.0 and einops), unpacked into a temporary folder at run time.
 
-Usage: ``python benchmarks/bench_recurrent.py [--out FILE] [--sweep] [--backward]``. The markdown table comes last.
-``--sweep`` times the serving step (graph-replayed) for every value tile / warp count, the numbers behind the fixed
-launch configuration in ``kda_ops/triton/launch.py`` (``recurrent_config``).
+Usage: ``python benchmarks/bench_recurrent.py [--out FILE] [--sweep] [--backward] [--skip-fla]``. The markdown
+table comes last. ``--sweep`` times the serving step (graph-replayed) for every value tile / warp count, the numbers
+behind the fixed launch configuration in ``kda_ops/triton/launch.py`` (``recurrent_config``).
 """
 
 from __future__ import annotations
@@ -213,11 +213,12 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time every value tile / warp count")
     parser.add_argument("--backward", action="store_true", help="also time forward + backward (B=4, T=512)")
     parser.add_argument("--batches", type=int, nargs="*", default=list(BATCHES))
+    parser.add_argument("--skip-fla", action="store_true", help="leave fla out: time kda_ops only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_recurrent: needs a CUDA GPU")
 
-    fla_fn, fla_note = load_fla(args.wheels)
+    fla_fn, fla_note = (None, "fla skipped") if args.skip_fla else load_fla(args.wheels)
     print(fla_note, file=sys.stderr)
     bw = _bench.copy_bandwidth()
     header = [

@@ -195,7 +195,7 @@ def main() -> None:
     ap.add_argument("--compare")
     ap.add_argument("--limit", type=int, default=0, help="only the first N cases (a quick run)")
     ap.add_argument("--only", nargs="*", help="only the cases whose name holds one of these strings")
-    ap.add_argument("--shard", default="0/1", help="k/n: run the cases i with i % n == k (parallel processes)")
+    ap.add_argument("--shard", default="0/1", help="k/n: run the cases i with i %% n == k (parallel processes)")
     ap.add_argument("--merge", nargs="*", help="merge these shard outputs into --out (no cases run)")
     a = ap.parse_args()
     torch.set_num_threads(1)

@@ -140,8 +140,8 @@ def set_gates(g: torch.Tensor, gates: str) -> None:
 
 # ------------------------------------------------------------------------------------------ tolerances
 
-# acceptance bounds of the GPU tests, relative error against the float64 oracle: the chunk forward (issue 4), the
-# chunk backward (issue 5), the recurrent kernels (issue 3)
+# acceptance bounds of the GPU tests, relative error against the float64 oracle: the chunk forward, the chunk
+# backward, the recurrent kernels
 CHUNK_TOL = {torch.float32: 1e-4, BF16: 5e-3, torch.float16: 5e-3}
 CHUNK_GRAD_TOL = {"dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dh0": 8e-3, "dg": 2e-2, "dbeta": 2e-2, "dA_log": 2e-2,
                   "ddt_bias": 2e-2}  # fmt: skip

@@ -32,3 +32,36 @@ def test_docs_example_runs(code: str) -> None:
         exec(compile(code, "<docs>", "exec"), module.__dict__)
     finally:
         del sys.modules[module.__name__]
+
+
+ROOT = DOCS.parent
+# the project's own text: no issue numbers (what a reader needs is in the text itself)
+TEXT = [*ROOT.glob("*.md"), *DOCS.glob("*.md"), *(ROOT / "src").rglob("*.py"), *(ROOT / "benchmarks").glob("*.py"),
+        *(ROOT / "tests").rglob("*.py"), ROOT / "noxfile.py"]  # fmt: skip
+
+
+def test_no_text_cites_an_issue_number() -> None:
+    pattern = re.compile(r"\bissues? #?\d", re.I)
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in TEXT for i, line in enumerate(p.read_text().splitlines(), 1)
+             if pattern.search(line)]  # fmt: skip
+    assert not found, found
+
+
+def test_the_pages_install_nox_alike() -> None:
+    for page in (ROOT / "README.md", DOCS / "index.md"):
+        installs = re.findall(r"pip install (\S+) && nox", page.read_text())
+        assert installs == ['"nox[uv]"'], (page.name, installs)
+
+
+def test_the_api_page_lists_every_keyword_of_the_layer() -> None:
+    import ast
+    import inspect
+
+    from kda_ops.nn import KDALayer
+
+    text = " ".join((DOCS / "api.md").read_text().split())
+    entry = text[text.index("`kda_ops.nn.KDALayer(") :].split("`", 2)[1]
+    for name, param in inspect.signature(KDALayer.__init__).parameters.items():
+        if param.kind is param.KEYWORD_ONLY:
+            documented = re.search(rf"\b{name}=([^,)]+)", entry)
+            assert documented and ast.literal_eval(documented.group(1)) == param.default, (name, entry)

@@ -199,7 +199,8 @@ BAD: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
     "dt_bias length": ({"dt_bias": torch.randn(H * K - 1)}, ValueError, "dt_bias"),
     "dt_bias device": ({"dt_bias": torch.randn(H * K, device="meta")}, ValueError, "dt_bias"),
     "lower_bound nan": ({"lower_bound": float("nan")}, ValueError, "lower_bound"),
-    "lower_bound str": ({"lower_bound": "-5"}, ValueError, "lower_bound"),
+    "lower_bound str": ({"lower_bound": "-5"}, TypeError, "lower_bound"),
+    "lower_bound positive": ({"lower_bound": 5.0}, ValueError, "lower_bound"),
     "output_dtype int": ({"output_dtype": torch.int32}, TypeError, "output_dtype"),
 }
 

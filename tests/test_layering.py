@@ -18,7 +18,11 @@ import planted, must be reported.
 from __future__ import annotations
 
 import ast
+import os
+import re
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,3 +194,31 @@ def test_the_checker_reports_a_violation_planted_in_a_copy(tmp_path: Path) -> No
     target.write_text("\n".join([*lines, "from kda_ops.reference import naive_recurrent_kda  # planted", ""]))
     planted = [v for v in check_tree(tmp_path) if v not in check_tree(SRC)]
     assert [(v.module, v.line) for v in planted] == [("kda_ops.triton.launch", line)], planted
+
+
+# ----------------------------------------------------------------------------------------------- dependencies
+
+ROOT = SRC.parent
+
+
+def test_the_triton_extra_brings_numpy() -> None:
+    """Triton's interpreter imports numpy, which a CPU build of torch does not install."""
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {re.split(r"[\s<>=!~;\[]", req, maxsplit=1)[0].lower() for req in extras["triton"]}
+    assert {"triton", "numpy"} <= names, extras["triton"]
+
+
+def test_the_base_install_runs_without_numpy() -> None:
+    """Without triton's interpreter nothing needs numpy: both functions run on the CPU with numpy unimportable."""
+    code = (
+        "import sys; sys.modules['numpy'] = None\n"
+        "import warnings; warnings.simplefilter('ignore')\n"  # torch's own 'Failed to initialize NumPy' warning
+        "import kda_ops\n"
+        "from kda_ops.testing import make_inputs\n"
+        "x = make_inputs(1, 5, 1, 4, 4)\n"
+        "kda_ops.chunk_kda(**x)[0].sum().item(); kda_ops.recurrent_kda(**x)[0].sum().item()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(SRC), "KDA_OPS_CPU_BACKEND": "reference"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]

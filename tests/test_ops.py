@@ -9,6 +9,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import kda_ops
+from kda_ops import ops
 from kda_ops.reference import naive_recurrent_kda
 from kda_ops.testing import make_inputs, make_state, rel_err
 
@@ -46,6 +47,32 @@ def test_no_final_state_is_none(schedule: str) -> None:
     x = make_inputs(1, 4, 1, 4, 4)
     o, s = SCHEDULES[schedule](**x)
     assert s is None and o.shape == (1, 4, 1, 4)
+
+
+BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.interpret)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("B, T", [(0, 8), (0, 0), (2, 0)])
+@pytest.mark.parametrize("h0", [False, True], ids=["zero_state", "initial_state"])
+def test_empty_batch_gives_empty_outputs(backend: str, B: int, T: int, h0: bool) -> None:
+    """No sequences (B = 0) or no tokens: both schedules return the same shapes, the final state is the initial
+    one, and the backward runs."""
+    x = {n: t.requires_grad_() for n, t in make_inputs(B, T, 1, 4, 4, HV=2).items()}
+    state = make_state(B, 2, 4, 4).requires_grad_() if h0 else None
+    with ops.cpu_backend(backend):
+        o_r, s_r = kda_ops.recurrent_kda(**x, initial_state=state, output_final_state=True)
+        o_c, s_c = kda_ops.chunk_kda(**x, initial_state=state, output_final_state=True)
+        assert s_r is not None and s_c is not None
+        assert o_c.shape == o_r.shape == (B, T, 2, 4) and s_c.shape == s_r.shape == (B, 2, 4, 4)
+        assert torch.equal(s_c, s_r) and torch.equal(s_c, torch.zeros_like(s_c) if state is None else state)
+        (o_c.sum() + s_c.sum()).backward()
+    assert x["q"].grad is not None and x["q"].grad.shape == x["q"].shape
+
+
+def test_oracle_takes_an_empty_batch() -> None:
+    o, s = naive_recurrent_kda(**make_inputs(0, 8, 1, 4, 4, HV=2), output_final_state=True)
+    assert o.shape == (0, 8, 2, 4) and s is not None and s.shape == (0, 2, 4, 4)
 
 
 OPCHECK_CASES = {

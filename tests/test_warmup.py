@@ -6,6 +6,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import pytest
+
 import kda_ops
 from kda_ops import _warmup
 from tests.cases import option_inputs
@@ -27,3 +29,9 @@ def test_warmup_passes_each_function_only_its_own_options() -> None:
     chunk = keywords(kda_ops.chunk_kda)
     assert chunk - set(_warmup._CHUNK_ONLY) == keywords(kda_ops.recurrent_kda)
     assert chunk - set(_warmup._NOT_SERVING) == keywords(kda_ops.recurrent_kda_update_)
+
+
+def test_warmup_names_an_argument_that_is_not_a_tensor() -> None:
+    x = option_inputs("plain", 1, 8, 1, 8, 8, HV=1)
+    with pytest.raises(TypeError, match=r"^q: expected a torch.Tensor"):
+        kda_ops.warmup(x["q"].tolist(), x["k"], x["v"], x["g"], x["beta"])

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 import kda_ops
+from kda_ops.api import MAX_HEAD_DIM
 from kda_ops.reference import naive_recurrent_kda
 from kda_ops.testing import make_inputs, make_state, rel_err
 
@@ -96,6 +97,18 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _check_sizes(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Refuse sizes outside the public functions' contract by their flag (argparse's message, exit status 2)."""
+    for flag, value, low, high in (
+        ("--B", a.B, 0, None), ("--T", a.T, 0, None), ("--H", a.H, 1, None), ("--K", a.K, 1, MAX_HEAD_DIM),
+        ("--V", a.V, 1, MAX_HEAD_DIM), ("--iters", a.iters, 1, None),
+    ):  # fmt: skip
+        if value < low or (high is not None and value > high):
+            p.error(f"{flag}: expected {f'a value in [{low}, {high}]' if high else f'at least {low}'}, got {value}")
+    if a.HV < 1 or a.HV % a.H:
+        p.error(f"--HV: expected a multiple of --H = {a.H} (value heads share q/k heads), got {a.HV}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kda_ops", description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
@@ -108,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=5, help="timed calls per op")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile row")
     a = p.parse_args(argv)
+    _check_sizes(p, a)
     dtype: torch.dtype = getattr(torch, a.dtype)
 
     device, device_name = _device()
@@ -116,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"triton   {_triton_version()}")
     print(f"python   {platform.python_version()}")
     print(f"device   {device_name}")
-    print(f"problem  B={a.B} T={a.T} H={a.H} HV={a.HV} K={a.K} V={a.V} {a.dtype}, initial state, l2norm on q/k")
+    empty = " (no tokens: the rows check shapes and final states only)" if a.B * a.T == 0 else ""
+    print(f"problem  B={a.B} T={a.T} H={a.H} HV={a.HV} K={a.K} V={a.V} {a.dtype}, initial state, l2norm on q/k{empty}")
     print()
 
     x = make_inputs(a.B, a.T, a.H, a.K, a.V, HV=a.HV, dtype=dtype, device=device)

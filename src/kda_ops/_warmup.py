@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from kda_ops import ops
-from kda_ops.api import chunk_kda, recurrent_kda, recurrent_kda_update_
+from kda_ops.api import check_float, chunk_kda, recurrent_kda, recurrent_kda_update_
 from kda_ops.common import num_sequences, state_dtype
 
 # keyword arguments of chunk_kda that recurrent_kda does not take, and those the serving step does not take either
@@ -53,6 +53,8 @@ def warmup(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kwargs: A
     suffice. Afterwards calls with any ``B``, ``T`` and ``cu_seqlens`` values run without autotuning, so they can
     be captured in a CUDA graph. A no-op on the CPU. Not for use inside a capture or a compiled region.
     """
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        check_float(name, x)  # before q.device is read: a clear error for a list, as the public functions give
     if q.device.type != "cuda":
         return
     if ops.uses_triton("chunk", q.device):

@@ -25,11 +25,44 @@ def _fail(cls: type[Exception], name: str, expected: str, got: Any) -> None:
     raise cls(f"{name}: expected {expected}, got {got}")
 
 
-def _check_float(name: str, x: Tensor) -> None:
+def check_float(name: str, x: Tensor) -> None:
+    """A floating-point torch.Tensor, or a TypeError naming the argument (shared with :func:`kda_ops.warmup`)."""
     if not isinstance(x, Tensor):
         _fail(TypeError, name, "a torch.Tensor", type(x).__name__)
     if x.dtype not in _FLOAT:
         _fail(TypeError, name, "a floating-point tensor (float16, bfloat16, float32 or float64)", x.dtype)
+
+
+def check_flags(*flags: tuple[str, object]) -> None:
+    """Each ``(name, value)`` a bool, or a TypeError naming it (a string or a tensor would be truthy by accident)."""
+    for name, value in flags:
+        if not isinstance(value, bool):
+            _fail(TypeError, name, "a bool", repr(value))
+
+
+def _lower_bound(lower_bound: object) -> float:
+    """The gate's bound as a Python float: a real number, or a 0-dim CPU tensor (reading it does not synchronise
+    with any device; under ``torch.compile`` a tensor's value is not known while tracing, so a float is needed)."""
+    if isinstance(lower_bound, Tensor):
+        if lower_bound.device.type != "cpu" or lower_bound.dim() != 0 or torch.compiler.is_compiling():
+            _fail(TypeError, "lower_bound", "a Python float or a 0-dim CPU tensor in eager mode (reading a "
+                  "device tensor's value would synchronise with the device: pass a float)",
+                  f"a {lower_bound.dim()}-dim tensor on {lower_bound.device}")  # fmt: skip
+        if lower_bound.dtype == torch.bool or lower_bound.is_complex():
+            _fail(TypeError, "lower_bound", "a real number", lower_bound.dtype)
+        lower_bound = lower_bound.item()  # sync-ok: a CPU tensor, eager only
+    if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+        raise TypeError(f"lower_bound: expected a Python float, got {type(lower_bound).__name__}")
+    value = float(lower_bound)
+    # g = lower_bound * sigmoid(z) is a log decay (<= 0): a positive bound would grow the state; 0 means no decay
+    if not (math.isfinite(value) and value <= 0):
+        _fail(ValueError, "lower_bound", "a finite float <= 0 (the log decay is lower_bound * sigmoid(z))", value)
+    return value
+
+
+def _flag(name: str, value: bool) -> bool:
+    check_flags((name, value))
+    return value
 
 
 def _check_shape(name: str, x: Tensor, shape: tuple[int, ...], text: str) -> None:
@@ -49,11 +82,11 @@ def _validate(
     use_gate_in_kernel: bool,
     A_log: Tensor | None,
     dt_bias: Tensor | None,
-    lower_bound: float | None,
-) -> float:
-    """Check every argument against the contract; return the scale to use."""
+    lower_bound: float | Tensor | None,
+) -> tuple[float, float | None]:
+    """Check every argument against the contract; return the scale and the gate's lower bound to use."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        _check_float(name, x)
+        check_float(name, x)
     if q.dim() != 4:
         _fail(ValueError, "q", "a 4-D tensor [B, T, H, K]", f"shape {list(q.shape)}")
     B, T, H, K = q.shape
@@ -68,7 +101,9 @@ def _validate(
     if V == 0 or V > MAX_HEAD_DIM:
         _fail(ValueError, "v", f"a head dimension V in [1, {MAX_HEAD_DIM}]", f"V = {V}")
     if q.dtype != k.dtype or q.dtype != v.dtype:
-        _fail(TypeError, "k", f"q, k and v of one dtype (q is {q.dtype})", f"k {k.dtype}, v {v.dtype}")
+        # name the odd one out: q when k and v agree, else the first of k and v that differs from q
+        odd = "q" if k.dtype == v.dtype else "k" if k.dtype != q.dtype else "v"
+        _fail(TypeError, odd, "q, k and v of one dtype", f"q {q.dtype}, k {k.dtype}, v {v.dtype}")
     _check_shape("g", g, (B, T, HV, K), "[B, T, HV, K]")
     _check_shape("beta", beta, (B, T, HV), "[B, T, HV]")
     device = q.device
@@ -90,7 +125,7 @@ def _validate(
             _check_cu_seqlens_values(cu_seqlens, T)
 
     if initial_state is not None:
-        _check_float("initial_state", initial_state)
+        check_float("initial_state", initial_state)
         _check_shape("initial_state", initial_state, (N, HV, K, V), "[N, HV, K, V]")
         others.append(("initial_state", initial_state))
 
@@ -98,16 +133,16 @@ def _validate(
         if A_log is None and lower_bound is None:
             _fail(ValueError, "A_log", "a tensor [HV] (or a lower_bound) with use_gate_in_kernel=True", None)
         if A_log is not None:
-            _check_float("A_log", A_log)
+            check_float("A_log", A_log)
             _check_shape("A_log", A_log, (HV,), "[HV]")
             others.append(("A_log", A_log))
         if dt_bias is not None:
-            _check_float("dt_bias", dt_bias)
+            check_float("dt_bias", dt_bias)
             _check_shape("dt_bias", dt_bias, (HV * K,), "[HV * K]")
             others.append(("dt_bias", dt_bias))
-        if lower_bound is not None and not (isinstance(lower_bound, (int, float)) and math.isfinite(lower_bound)):
-            _fail(ValueError, "lower_bound", "a finite float", lower_bound)
+        bound = None if lower_bound is None else _lower_bound(lower_bound)
     else:
+        bound = None
         for name, given in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
             if given is not None:
                 _fail(ValueError, name, "None unless use_gate_in_kernel=True", type(given).__name__)
@@ -118,10 +153,10 @@ def _validate(
             _fail(ValueError, name, f"every tensor on q's device {device}", odd)
 
     if scale is None:
-        return float(K**-0.5)
+        return float(K**-0.5), bound
     if isinstance(scale, Tensor) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         _fail(TypeError, "scale", "a finite Python float (a new value recompiles a compiled graph)", scale)
-    return float(scale)
+    return float(scale), bound
 
 
 def _check_cu_seqlens_values(cu_seqlens: Tensor, T: int) -> None:
@@ -150,16 +185,22 @@ def _run(
     use_gate_in_kernel: bool,
     A_log: Tensor | None,
     dt_bias: Tensor | None,
-    lower_bound: float | None,
+    lower_bound: float | Tensor | None,
     use_beta_sigmoid_in_kernel: bool,
     allow_neg_eigval: bool,
     *extra: bool,
 ) -> tuple[Tensor, ...]:
-    s = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound)
+    check_flags(
+        ("output_final_state", output_final_state), ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
+        ("use_gate_in_kernel", use_gate_in_kernel), ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
+        ("allow_neg_eigval", allow_neg_eigval),
+    )  # fmt: skip
+    s, bound = _validate(
+        q, k, v, g, beta, scale, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound
+    )
     o, final, *states = entry(
-        q, k, v, g, beta, s, initial_state, cu_seqlens, A_log, dt_bias,
-        None if lower_bound is None else float(lower_bound), bool(output_final_state), bool(use_qk_l2norm_in_kernel),
-        bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval), *extra,
+        q, k, v, g, beta, s, initial_state, cu_seqlens, A_log, dt_bias, bound, output_final_state,
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, *extra,
     )  # fmt: skip
     return (o, final if output_final_state else None, *states)
 
@@ -179,7 +220,8 @@ _DOC_ARGS = """
         use_qk_l2norm_in_kernel: normalise q and k: ``x / sqrt(sum(x * x) + 1e-6)``.
         use_gate_in_kernel: ``g = -exp(A_log) * softplus(g + dt_bias)``, or with ``lower_bound``
             ``g = lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`` (``A_log`` may be None then).
-        A_log: ``[HV]``; dt_bias: ``[HV * K]`` (optional); lower_bound: a float (optional).
+        A_log: ``[HV]``; dt_bias: ``[HV * K]`` (optional); lower_bound: a float ``<= 0`` (optional; a 0-dim CPU
+            tensor is read in eager mode; 0 means no decay).
         use_beta_sigmoid_in_kernel: ``beta = sigmoid(beta)``.
         allow_neg_eigval: beta times 2 (after the sigmoid, if any), so the write can flip a direction.
 
@@ -187,7 +229,7 @@ _DOC_ARGS = """
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state ``[N, HV, K, V]`` float32 or None.
 
     Raises:
-        TypeError, ValueError: naming the argument that breaks the contract.
+        TypeError, ValueError: naming the argument that breaks the contract (the flags must be bools).
 """
 
 
@@ -207,7 +249,7 @@ def chunk_kda(
     use_gate_in_kernel: bool = False,
     A_log: Tensor | None = None,
     dt_bias: Tensor | None = None,
-    lower_bound: float | None = None,
+    lower_bound: float | Tensor | None = None,
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
     recompute_in_backward: bool = False,
@@ -231,7 +273,7 @@ def chunk_kda(
     use_gate_in_kernel: bool = False,
     A_log: Tensor | None = None,
     dt_bias: Tensor | None = None,
-    lower_bound: float | None = None,
+    lower_bound: float | Tensor | None = None,
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
     recompute_in_backward: bool = False,
@@ -254,13 +296,14 @@ def chunk_kda(
     use_gate_in_kernel: bool = False,
     A_log: Tensor | None = None,
     dt_bias: Tensor | None = None,
-    lower_bound: float | None = None,
+    lower_bound: float | Tensor | None = None,
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
     recompute_in_backward: bool = False,
     return_intermediate_states: bool = False,
 ) -> tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, Tensor]:
-    if return_intermediate_states and ops.trains(q, k, v, g, beta, initial_state, A_log, dt_bias):
+    want_states = _flag("return_intermediate_states", return_intermediate_states)
+    if want_states and ops.trains(q, k, v, g, beta, initial_state, A_log, dt_bias):
         raise ValueError(
             "return_intermediate_states: the per-chunk states are for inference (prefix caching) and carry no "
             "gradient; call under torch.no_grad() or torch.inference_mode()"
@@ -268,7 +311,8 @@ def chunk_kda(
     o, final, *states = _run(
         ops.run_chunk, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
         use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel,
-        allow_neg_eigval, bool(recompute_in_backward), bool(return_intermediate_states),
+        allow_neg_eigval, _flag("recompute_in_backward", recompute_in_backward),
+        _flag("return_intermediate_states", return_intermediate_states),
     )  # fmt: skip
     return (o, final, states[0]) if return_intermediate_states else (o, final)
 
@@ -288,7 +332,7 @@ def recurrent_kda(
     use_gate_in_kernel: bool = False,
     A_log: Tensor | None = None,
     dt_bias: Tensor | None = None,
-    lower_bound: float | None = None,
+    lower_bound: float | Tensor | None = None,
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
@@ -304,7 +348,7 @@ def _validate_pool(q: Tensor, v: Tensor, state_pool: Tensor, state_indices: Tens
     """Check the serving step's pool and slot indices (after :func:`_validate` checked the rest)."""
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     N = num_sequences(q, cu_seqlens)
-    _check_float("state_pool", state_pool)
+    check_float("state_pool", state_pool)
     if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (HV, K, V):
         _fail(ValueError, "state_pool", f"shape [S, HV, K, V] with HV, K, V = {HV}, {K}, {V}", list(state_pool.shape))
     if state_pool.dtype not in (torch.float32, torch.float64):
@@ -345,7 +389,7 @@ def recurrent_kda_update_(
     use_gate_in_kernel: bool = False,
     A_log: Tensor | None = None,
     dt_bias: Tensor | None = None,
-    lower_bound: float | None = None,
+    lower_bound: float | Tensor | None = None,
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
 ) -> Tensor:
@@ -371,12 +415,15 @@ def recurrent_kda_update_(
     Raises:
         TypeError, ValueError: naming the argument that breaks the contract.
     """
-    s = _validate(q, k, v, g, beta, scale, None, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound)
+    check_flags(
+        ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel), ("use_gate_in_kernel", use_gate_in_kernel),
+        ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel), ("allow_neg_eigval", allow_neg_eigval),
+    )  # fmt: skip
+    s, bound = _validate(q, k, v, g, beta, scale, None, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound)
     _validate_pool(q, v, state_pool, state_indices, cu_seqlens)
     return ops.run_update(
-        q, k, v, g, beta, state_pool, state_indices, s, cu_seqlens, A_log, dt_bias,
-        None if lower_bound is None else float(lower_bound), bool(use_qk_l2norm_in_kernel),
-        bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval),
+        q, k, v, g, beta, state_pool, state_indices, s, cu_seqlens, A_log, dt_bias, bound, use_qk_l2norm_in_kernel,
+        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
     )  # fmt: skip
 
 
@@ -410,7 +457,7 @@ def kda_gate(
     Raises:
         TypeError, ValueError: naming the argument that breaks the contract.
     """
-    _check_float("g", g)
+    check_float("g", g)
     if g.dim() < 2:
         _fail(ValueError, "g", "a tensor [..., H, K] of at least 2 dimensions", f"shape {list(g.shape)}")
     H, K = g.shape[-2], g.shape[-1]
@@ -419,23 +466,20 @@ def kda_gate(
         if lower_bound is None:
             _fail(ValueError, "A_log", f"a tensor [H] = [{H}] (it may be None only with a lower_bound)", None)
     else:
-        _check_float("A_log", A_log)
+        check_float("A_log", A_log)
         _check_shape("A_log", A_log, (H,), "[H] (H from g [..., H, K])")
         given.append(("A_log", A_log))
     if dt_bias is not None:
-        _check_float("dt_bias", dt_bias)
+        check_float("dt_bias", dt_bias)
         _check_shape("dt_bias", dt_bias, (H * K,), "[H * K] (H, K from g [..., H, K])")
         given.append(("dt_bias", dt_bias))
-    if lower_bound is not None and not (
-        isinstance(lower_bound, (int, float)) and not isinstance(lower_bound, bool) and math.isfinite(lower_bound)
-    ):
-        _fail(ValueError, "lower_bound", "a finite float", lower_bound)
+    bound = None if lower_bound is None else _lower_bound(lower_bound)
     if not isinstance(output_dtype, torch.dtype) or output_dtype not in _FLOAT:
         _fail(TypeError, "output_dtype", "a floating-point torch.dtype", output_dtype)
     for name, x in given:
         if x.device != g.device:
             _fail(ValueError, name, f"a tensor on g's device {g.device}", x.device)
-    y: Tensor = ops.gate(g, A_log, dt_bias, None if lower_bound is None else float(lower_bound), output_dtype)
+    y: Tensor = ops.gate(g, A_log, dt_bias, bound, output_dtype)
     return y
 
 

@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from kda_ops.api import chunk_kda, recurrent_kda
+from kda_ops.api import check_flags, chunk_kda, recurrent_kda
 
 
 class KDALayer(nn.Module):
@@ -34,10 +34,11 @@ class KDALayer(nn.Module):
         *,
         num_v_heads: int | None = None,
         head_v_dim: int | None = None,
-        lower_bound: float | None = None,
+        lower_bound: float | Tensor | None = None,
         norm_eps: float = 1e-5,
         recompute_in_backward: bool = False,
     ) -> None:
+        check_flags(("recompute_in_backward", recompute_in_backward))
         super().__init__()
         self.num_heads, self.head_dim = num_heads, head_dim
         self.num_v_heads = num_heads if num_v_heads is None else num_v_heads
@@ -74,6 +75,7 @@ class KDALayer(nn.Module):
 
         ``recurrent`` picks the decode schedule (:func:`kda_ops.recurrent_kda`) instead of the chunkwise one.
         """
+        check_flags(("recurrent", recurrent))  # output_final_state: checked by the function called
         B, T, _ = x.shape
         H, HV, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim
         q = self.q_proj(x).view(B, T, H, K)

@@ -1,10 +1,10 @@
-"""The chunkwise Triton backward on the GPU (issue 5): bf16 gradients against the float64 oracle, variable length,
+"""The chunkwise Triton backward on the GPU: bf16 gradients against the float64 oracle, variable length,
 grouped value heads, every option, hard resets, opcheck, no host synchronisation.
 
 The oracle is the analytic reference backward (``kda_ops.reference.chunk_bwd``) on float64 CUDA copies of the
 same (bf16-rounded) inputs; it equals autograd of the naive recurrence to ~1e-15
 (``tests/reference/chunk/test_backward.py``). The Triton backward runs twice: once to compile and autotune, then
-with host syncs raising and every launcher's buffers poisoned with NaN. Bounds of issue 5: dq, dk, dv, dh0 <= 8e-3;
+with host syncs raising and every launcher's buffers poisoned with NaN. Bounds: dq, dk, dv, dh0 <= 8e-3;
 dg, dbeta <= 2e-2 (relative).
 
 The compiled two-layer training step (loss equal to eager, decreasing over 50 steps, 0 graph breaks) is

@@ -1,4 +1,4 @@
-"""The chunkwise Triton forward on the GPU (issue 4): accuracy against the float64 oracle, variable length, CUDA
+"""The chunkwise Triton forward on the GPU: accuracy against the float64 oracle, variable length, CUDA
 graphs and no host synchronisation.
 
 The oracle is the reference chunkwise forward (``kda_ops.reference.chunk_fwd``) run in float64 on the GPU; it
@@ -39,7 +39,7 @@ from tests.cases import (
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
-# acceptance bounds of issue 4 (relative error against the float64 oracle)
+# acceptance bounds (relative error against the float64 oracle)
 TOL = CHUNK_TOL
 
 

@@ -1,4 +1,4 @@
-"""Issue 6 on the GPU: KDA inside compiled models, CUDA graphs and torch.export, with no graph break or sync."""
+"""On the GPU: KDA inside compiled models, CUDA graphs and torch.export, with no graph break or sync."""
 
 from __future__ import annotations
 

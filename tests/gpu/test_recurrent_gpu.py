@@ -1,4 +1,4 @@
-"""The fused recurrent Triton kernels on the GPU (issue 3): accuracy against the float64 oracle, the serving step
+"""The fused recurrent Triton kernels on the GPU: accuracy against the float64 oracle, the serving step
 in a captured CUDA graph, and no host synchronisation.
 
 Every op call runs inside ``torch.cuda.set_sync_debug_mode("error")`` with the launchers' outputs poisoned with
@@ -36,7 +36,7 @@ from tests.cases import (
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
-# acceptance bounds of issue 3 (relative error against the float64 oracle)
+# acceptance bounds (relative error against the float64 oracle)
 TOL = RECURRENT_TOL
 GRAD_TOL = RECURRENT_GRAD_TOL
 

@@ -68,10 +68,10 @@ def naive_recurrent_kda(
             o_rows[b].append(torch.einsum("hk,hkv->hv", qp[b, t] * scale, S))
         finals.append(S)
     if cu_seqlens is None:
-        o = torch.stack([torch.stack(rows) for rows in o_rows]) if T > 0 else outs
+        o = torch.stack([torch.stack(rows) for rows in o_rows]) if B > 0 and T > 0 else outs
     else:
         o = torch.stack(o_rows[0]).unsqueeze(0) if o_rows[0] else outs
         if len(o_rows[0]) != T:  # tokens outside [cu[0], cu[-1]) are untouched: zero rows
             o = torch.cat([outs[:, : cu[0]], o, outs[:, cu[-1] :]], dim=1)
-    final = torch.stack(finals) if output_final_state else None
+    final = (torch.stack(finals) if finals else outs.new_zeros(0, HV, K, V)) if output_final_state else None
     return o.to(v.dtype), final

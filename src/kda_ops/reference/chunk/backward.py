@@ -13,7 +13,14 @@ import torch
 from torch import Tensor
 
 from kda_ops.common import Options
-from kda_ops.reference.chunk.common import DEFAULT_CHUNK_SIZE, gather, pairwise_bwd, pairwise_decay, scatter
+from kda_ops.reference.chunk.common import (
+    DEFAULT_CHUNK_SIZE,
+    gather,
+    pairwise_bwd,
+    pairwise_decay,
+    scatter,
+    stack_slots,
+)
 from kda_ops.reference.chunk.forward import flatten_inputs, forward_chunks
 from kda_ops.reference.inputs import transform_inputs_bwd
 
@@ -52,7 +59,7 @@ def chunk_bwd(
     Kend = st.k * (Gl.unsqueeze(-2) - st.Gam).exp()
     Qt = scale * st.q * st.Gam.exp()
     # reverse scan: dS' of each slot, and dE
-    dS = torch.zeros_like(h0[0])
+    dS = h0.new_zeros(h0.shape[1:])
     dSps, dEs, dSins = [], [], []
     for c in reversed(range(st.index.shape[0])):
         dSp = torch.where(st.slots.last[c], dht_p[st.slots.seq[c]], dS)
@@ -61,7 +68,8 @@ def chunk_bwd(
         dSps.append(dSp)
         dEs.append(dE)
         dSins.append(dS)
-    dSp_all, dE_all, dSin_all = (torch.stack(x[::-1]) for x in (dSps, dEs, dSins))
+    dSp_all, dSin_all = (stack_slots(x[::-1], dS.shape, dS) for x in (dSps, dSins))
+    dE_all = stack_slots(dEs[::-1], st.E.shape[1:], dS)
     # empty sequences pass the final-state gradient straight through; the others take their first slot's
     dh0 = dht_p.index_copy(0, torch.where(st.slots.first, st.slots.seq, N), dSin_all)[:N]
     # everything below is parallel over chunk slots

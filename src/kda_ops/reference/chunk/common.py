@@ -10,6 +10,8 @@ blocks (``Gam_last``, ``Hin``, ``[NC, HV, ...]``). Inside, tokens are gathered i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -57,6 +59,12 @@ def scatter(x: Tensor, index: Tensor, T: int) -> Tensor:
     return out[:T]
 
 
+def stack_slots(xs: list[Tensor], item: Sequence[int], like: Tensor) -> Tensor:
+    """The per-slot results ``[*item]`` of a scan loop stacked to ``[NC, *item]``; ``[0, *item]`` (``like``'s dtype
+    and device) when there are no slots, as with no sequences (B = 0)."""
+    return torch.stack(xs) if xs else like.new_zeros(0, *item)
+
+
 def slot_index(slots: ChunkSlots, C: int, T: int) -> Tensor:
     """``[NC, C]``: the token of each slot row, or the spare index ``T`` where the row is padding."""
     rows = torch.arange(C, device=slots.start.device)
@@ -77,4 +85,5 @@ __all__ = [
     "pairwise_decay",
     "scatter",
     "slot_index",
+    "stack_slots",
 ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kda_ops.reference.chunk.common import gather, scatter, slot_index
+from kda_ops.reference.chunk.common import gather, scatter, slot_index, stack_slots
 from kda_ops.varlen import ChunkSlots
 
 
@@ -35,8 +35,8 @@ def state_scan(
         Es.append(E)
         Souts.append(S)
     final = torch.cat([h0, h0.new_zeros(1, HV, K, V)])
-    final = final.index_copy(0, torch.where(slots.last, slots.seq, N), torch.stack(Souts))[:N]
-    return torch.stack(Hin), torch.stack(Es), final
+    final = final.index_copy(0, torch.where(slots.last, slots.seq, N), stack_slots(Souts, S.shape, S))[:N]
+    return stack_slots(Hin, S.shape, S), stack_slots(Es, U.shape[1:], U), final
 
 
 def scan(

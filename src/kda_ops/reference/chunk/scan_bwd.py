@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kda_ops.reference.chunk.common import gather, scatter, slot_index
+from kda_ops.reference.chunk.common import gather, scatter, slot_index, stack_slots
 from kda_ops.varlen import ChunkSlots
 
 
@@ -38,7 +38,8 @@ def scan_bwd(
         dSps.append(dSp)
         dEs.append(dE)
         dSins.append(dS)
-    dSp_all, dE_all, dSin_all = (torch.stack(x[::-1]) for x in (dSps, dEs, dSins))
+    dSp_all, dSin_all = (stack_slots(x[::-1], dS.shape, dS) for x in (dSps, dSins))
+    dE_all = stack_slots(dEs[::-1], (HV, C, V), dS)
     dh0 = dht_p.index_copy(0, torch.where(slots.first, slots.seq, N), dSin_all)[:N]
     return scatter(dE_all, index, T), dSp_all, dh0
 

@@ -1,0 +1,41 @@
+"""The benchmark scripts on a machine without a GPU: each prints its help, and each GPU benchmark takes the common
+flags and ends with "needs a CUDA GPU" before any CUDA call, not with a traceback."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+GPU_SCRIPTS = [name for name in SCRIPTS if name.startswith("bench_")]
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def test_the_scripts_are_found() -> None:
+    assert {"bench_chunk.py", "bench_chunk_bwd.py", "bench_recurrent.py", "bench_prefill.py"} <= set(GPU_SCRIPTS)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_runs_and_cites_no_issue_number(script: str) -> None:
+    run = _run(script, "--help")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert not re.search(r"\bissues? #?\d", run.stdout, re.I), run.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+@pytest.mark.parametrize("script", GPU_SCRIPTS)
+def test_without_a_gpu_the_script_says_so(script: str) -> None:
+    run = _run(script, "--skip-fla")
+    assert run.returncode != 0 and "needs a CUDA GPU" in run.stderr and "Traceback" not in run.stderr, run.stderr
