@@ -494,7 +494,7 @@ chunk_kda.__doc__ = (
         return_intermediate_states: also return the state entering each chunk of 64 tokens (for prefix caching;
             not under autograd): ``[B, cdiv(T, 64), HV, K, V]``, or with ``cu_seqlens`` ``[1, cdiv(T, 64) + N,
             HV, K, V]``: sequence ``n``'s chunks from its chunk offset ``sum_{m<n} cdiv(len_m, 64)``, the slots past
-            the last chunk zero (a static shape: no host sync). bf16 for 16-bit inputs, else float32.
+            the last chunk zero (a static shape: no host sync). In v's dtype for 16-bit inputs, else float32.
 
     Returns:""",
     )

@@ -53,9 +53,9 @@ def forward_outputs(q: Tensor, v: Tensor, cu_seqlens: Tensor | None, output_fina
 
 
 def chunk_states_dtype(v: Tensor) -> torch.dtype:
-    """dtype of the per-chunk states out of the chunk forward: bf16 for 16-bit inputs (the dtype the chunk kernels
-    keep them in), else the state dtype."""
-    return torch.bfloat16 if v.dtype in (torch.float16, torch.bfloat16) else state_dtype(v)
+    """dtype of the per-chunk states out of the chunk forward: the input's for 16-bit inputs (the dtype the chunk
+    kernels keep them in), else the state dtype."""
+    return v.dtype if v.dtype in (torch.float16, torch.bfloat16) else state_dtype(v)
 
 
 def backward_outputs(

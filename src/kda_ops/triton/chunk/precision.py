@@ -58,18 +58,21 @@ class Precision:
                 raise ValueError(f"Precision.{f.name}: expected one of {PRECISIONS}, got {value!r}")
 
 
-# Defaults per input dtype. fp32 inputs promise <= 1e-4 relative error: exact fp32 products in the chunk-local stages;
-# 3xTF32 (~2e-7 per product) in the scan and the output, whose exact-fp32 form compiles for sm_90 to a CUDA-core
-# product that spills (ptxas, K = V = 128). 16-bit inputs: factors stored in bf16 (half the bytes of the stages'
-# traffic); bf16 products in the scan and the output (tensor cores at full rate, no fp32 operand tiles): the scan at
-# B1 T32768 H32 bf16 on an H200 1.581 -> 0.983 ms with the same error. TF32 in the intra products, the solve and
-# W, U: bf16 there saves no time in the intra products, raises the error in W, U, and in the solve would round an
-# inverse that grows in ill-conditioned chunks. The alternatives are rows of
+# Defaults per input dtype. fp32 inputs promise <= 1e-4 relative error: exact fp32 products in the chunk-local
+# stages; 3xTF32 (~2e-7 per product) in the scan and the output, whose exact-fp32 form compiles for sm_90 to a
+# CUDA-core product that spills (ptxas, K = V = 128). 16-bit inputs: factors stored in the input's dtype (half the
+# bytes of the stages' traffic). bf16: bf16 products in the scan and the output (tensor cores at full rate, no fp32
+# operand tiles): the scan at B1 T32768 H32 on an H200 0.983 ms, 1.581 in exact fp32, with the same error. fp16:
+# fp16 factors hold 11 significant bits to bf16's 8 (the forward's error at B1 T63 K = V = 64 under the
+# interpreter 3.0e-4, 5.4e-3 with bf16 factors) and every product runs in TF32, which holds them exactly and keeps
+# the state's range (a bf16 product would round them, an fp16 one could overflow the state). TF32 in the intra
+# products, the solve and W, U: bf16 there saves no time in the intra products, raises the error in W, U, and in
+# the solve would round an inverse that grows in ill-conditioned chunks. The alternatives are rows of
 # `python benchmarks/bench_chunk.py --precision-sweep`.
 _DEFAULTS: dict[torch.dtype, Precision] = {
     torch.float64: Precision(),
     torch.float32: Precision(scan="tf32x3", output="tf32x3"),
-    torch.float16: Precision("tf32", "tf32", "tf32", "bf16", "bf16", torch.bfloat16),
+    torch.float16: Precision("tf32", "tf32", "tf32", "tf32", "tf32", torch.float16),
     torch.bfloat16: Precision("tf32", "tf32", "tf32", "bf16", "bf16", torch.bfloat16),
 }
 
