@@ -151,3 +151,22 @@ def test_autograd_through_chunk_kda_matches_oracle(recompute: bool) -> None:
         grad = xs[nm].grad
         assert grad is not None and r is not None
         assert rel_err(grad, r) <= TOL["d" + nm], nm
+
+
+@pytest.mark.parametrize("cu", [None, [0, 100, 300, 1200, 3000, 4096]], ids=["dense", "packed"])
+@pytest.mark.parametrize("dtype", [torch.float16, BF16], ids=["fp16", "bf16"])
+def test_training_pair_at_head_dim_256(dtype: torch.dtype, cu: list[int] | None) -> None:
+    """The training pair's backward at K = V = 256 in 16-bit (its reverse scan holds [256, BV] tiles: they must fit
+    the card's shared memory) against the oracle, dense and packed."""
+    x = make_inputs(1, 4096, 4, 256, 256, dtype=dtype, device=DEV, seed=3)
+    cu_t = None if cu is None else torch.tensor(cu, device=DEV)
+    xs = {n: t.clone().requires_grad_() for n, t in x.items() if n in ("q", "k", "v", "g", "beta")}
+    o, _ = kda_ops.chunk_kda(**xs, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t)
+    do = torch.randn_like(o)
+    (o * do).sum().backward()
+    ref = reference.chunk_bwd(do.double(), None, *(x[n].double() for n in ("q", "k", "v", "g", "beta")), 256**-0.5,
+                              None, cu_t, None, None, Options(use_qk_l2norm=True))  # fmt: skip
+    for nm, r in zip(("q", "k", "v", "g", "beta"), ref):
+        grad = xs[nm].grad
+        assert grad is not None and r is not None
+        assert rel_err(grad, r) <= TOL["d" + nm], nm

@@ -17,7 +17,7 @@ bf16 inputs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -53,16 +53,13 @@ class Recomputed:
 
 def recompute_precision(dtype: torch.dtype) -> Precision:
     """The forward stages' precision in the backward. fp32 inputs: fp32 storage, exact or 3xTF32 products. 16-bit
-    inputs: the forward's own choice (bf16 factors, bf16 products in the scan, TF32 elsewhere), with fp32 factors for
-    fp16 inputs, whose 11 bits bf16 factors would not keep (the interpreter test of the fp16 backward measured dq
-    3.75e-3 with them against its 2e-3 bound). The exact fp32 solve of fp32 inputs compiles for sm_90 to CUDA-core
-    products that spill (ptxas, K = V = 128): fp32 inputs trade that time for their 1e-4 bound."""
+    inputs: the forward's own choice (factors in the input's dtype; bf16 products in the scan and the output for bf16,
+    TF32 elsewhere). The exact fp32 solve of fp32 inputs compiles for sm_90 to CUDA-core products that spill
+    (ptxas, K = V = 128): fp32 inputs trade that time for their 1e-4 bound."""
     if dtype == torch.float64:
         return Precision(store=torch.float64)
     if dtype == torch.float32:
         return Precision(scan="tf32x3", output="tf32x3", store=torch.float32)
-    if dtype == torch.float16:  # 11-bit inputs: bf16 factors (8 bits) would dominate their error
-        return replace(precision_for(dtype), store=torch.float32)
     return precision_for(dtype)
 
 
