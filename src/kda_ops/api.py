@@ -14,7 +14,7 @@ from typing import Any, Literal, overload
 import torch
 from torch import Tensor
 
-from kda_ops import ops
+from kda_ops import checks, ops
 from kda_ops.common import num_sequences
 
 MAX_HEAD_DIM = 256
@@ -123,6 +123,8 @@ def _validate(
         others.append(("cu_seqlens", cu_seqlens))
         if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
             _check_cu_seqlens_values(cu_seqlens, T)
+        elif checks.active(cu_seqlens):
+            _check_cu_seqlens_values(cu_seqlens.cpu(), T)  # sync-ok: checked mode
 
     if initial_state is not None:
         check_float("initial_state", initial_state)
@@ -198,6 +200,8 @@ def _run(
     s, bound = _validate(
         q, k, v, g, beta, scale, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound
     )
+    if checks.active(g):
+        checks.check_gate_and_beta(g, beta, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     o, final, *states = entry(
         q, k, v, g, beta, s, initial_state, cu_seqlens, A_log, dt_bias, bound, output_final_state,
         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, *extra,
@@ -364,8 +368,9 @@ def _validate_pool(q: Tensor, v: Tensor, state_pool: Tensor, state_indices: Tens
     for name, x in (("state_pool", state_pool), ("state_indices", state_indices)):
         if x.device != q.device:
             _fail(ValueError, name, f"a tensor on q's device {q.device}", x.device)
-    if state_indices.device.type == "cpu" and not torch.compiler.is_compiling():
-        idx = state_indices.tolist()  # sync-ok: CPU tensor, eager only
+    on_cpu = state_indices.device.type == "cpu" and not torch.compiler.is_compiling()
+    if on_cpu or checks.active(state_indices):
+        idx = state_indices.tolist()  # sync-ok: a CPU tensor in eager mode, or the checked mode
         S = state_pool.shape[0]
         if any(i < -1 or i >= S for i in idx):
             _fail(ValueError, "state_indices", f"slots in [0, {S}) or -1 (padding)", idx)
@@ -421,6 +426,8 @@ def recurrent_kda_update_(
     )  # fmt: skip
     s, bound = _validate(q, k, v, g, beta, scale, None, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound)
     _validate_pool(q, v, state_pool, state_indices, cu_seqlens)
+    if checks.active(g):
+        checks.check_gate_and_beta(g, beta, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     return ops.run_update(
         q, k, v, g, beta, state_pool, state_indices, s, cu_seqlens, A_log, dt_bias, bound, use_qk_l2norm_in_kernel,
         use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,

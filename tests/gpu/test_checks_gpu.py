@@ -1,0 +1,81 @@
+"""The checked mode on CUDA: each value the fast path trusts, when bad, raises the CPU checks' error; off, no call
+synchronises with the device (``torch.cuda.set_sync_debug_mode("error")``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import kda_ops
+from kda_ops.testing import make_inputs
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+@pytest.fixture
+def checked() -> Iterator[None]:
+    kda_ops.set_checks(True)
+    try:
+        yield
+    finally:
+        kda_ops.set_checks(False)
+
+
+def _inputs(T: int = 40) -> dict[str, torch.Tensor]:
+    x = make_inputs(1, T, 2, 32, 32, device=DEV, seed=1)
+    return {n: x[n] for n in ("q", "k", "v", "g", "beta")}
+
+
+CU = {
+    "first not 0": ([1, 20, 40], "cu_seqlens"),
+    "last not T": ([0, 20, 39], "cu_seqlens"),
+    "decreasing": ([0, 30, 20, 40], "cu_seqlens"),
+}
+
+
+@pytest.mark.parametrize("case", list(CU))
+@pytest.mark.parametrize("fn", [kda_ops.chunk_kda, kda_ops.recurrent_kda], ids=["chunk", "recurrent"])
+def test_cu_seqlens(case: str, fn: Any, checked: None) -> None:
+    cu, name = CU[case]
+    with torch.no_grad(), pytest.raises(ValueError, match=f"^{name}:"):
+        fn(**_inputs(), cu_seqlens=torch.tensor(cu, device=DEV))
+
+
+@pytest.mark.parametrize(("slots", "what"), [([0, 5], "out of range"), ([1, 1], "repeated")])
+def test_state_indices(slots: list[int], what: str, checked: None) -> None:
+    x = _inputs()
+    pool = torch.zeros(4, 2, 32, 32, device=DEV)
+    with torch.no_grad(), pytest.raises(ValueError, match="^state_indices:"):
+        kda_ops.recurrent_kda_update_(**x, state_pool=pool, state_indices=torch.tensor(slots, device=DEV),
+                                      cu_seqlens=torch.tensor([0, 20, 40], device=DEV))  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "value"), [("g", 0.5), ("g", float("nan")), ("beta", 1.5), ("beta", -0.5)])
+def test_gate_and_beta(name: str, value: float, checked: None) -> None:
+    x = _inputs()
+    x[name].view(-1)[7] = value
+    with torch.no_grad(), pytest.raises(ValueError, match=f"^{name}:"):
+        kda_ops.chunk_kda(**x)
+
+
+def test_off_no_call_synchronises() -> None:
+    x = _inputs()
+    cu = torch.tensor([0, 20, 40], device=DEV)
+    pool = torch.zeros(4, 2, 32, 32, device=DEV)
+    slots = torch.tensor([0, 1], device=DEV)
+    with torch.no_grad():
+        kda_ops.chunk_kda(**x, cu_seqlens=cu)  # compile first
+        kda_ops.recurrent_kda(**x, cu_seqlens=cu)
+        kda_ops.recurrent_kda_update_(**x, state_pool=pool, state_indices=slots, cu_seqlens=cu)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            kda_ops.chunk_kda(**x, cu_seqlens=cu)
+            kda_ops.recurrent_kda(**x, cu_seqlens=cu)
+            kda_ops.recurrent_kda_update_(**x, state_pool=pool, state_indices=slots, cu_seqlens=cu)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
