@@ -147,3 +147,19 @@ CHUNK_GRAD_TOL = {"dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dh0": 8e-3, "dg": 2e-2, "
                   "ddt_bias": 2e-2}  # fmt: skip
 RECURRENT_TOL = {torch.float32: 1e-5, BF16: 2e-3}
 RECURRENT_GRAD_TOL = {torch.float32: 1e-5, BF16: 5e-3}
+
+
+def assert_compiles_like_eager(step: Any, leaves: list[torch.Tensor]) -> None:
+    """``torch.compile(step, fullgraph=True)`` is one graph and gives eager's loss and gradients to ``leaves``."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    loss = step(*leaves)
+    grads = torch.autograd.grad(loss, leaves)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    loss_c = compiled(*leaves)
+    grads_c = torch.autograd.grad(loss_c, leaves)
+    assert counter.frame_count == 1
+    torch.testing.assert_close(loss_c, loss)
+    for a, b in zip(grads_c, grads):
+        torch.testing.assert_close(a, b)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -45,3 +46,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def device(request: pytest.FixtureRequest) -> torch.device:
     """``cpu`` (the interpreter) or ``cuda`` (compiled): the device a stage test runs its kernels on."""
     return torch.device(request.param)
+
+
+@pytest.fixture
+def checked() -> Iterator[None]:
+    """The checked mode on (``kda_ops.set_checks``) for one test."""
+    import kda_ops
+
+    kda_ops.set_checks(True)
+    try:
+        yield
+    finally:
+        kda_ops.set_checks(False)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -15,15 +15,6 @@ import torch
 
 import kda_ops
 from kda_ops.testing import make_inputs
-
-
-@pytest.fixture
-def checked() -> Iterator[None]:
-    kda_ops.set_checks(True)
-    try:
-        yield
-    finally:
-        kda_ops.set_checks(False)
 
 
 def _inputs() -> dict[str, torch.Tensor]:

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._dynamo.testing import CompileCounterWithBackend
 
 import kda_ops
 from kda_ops import ops
 from kda_ops.testing import make_inputs, make_state, rel_err
+from tests.cases import assert_compiles_like_eager
 
 F64 = torch.float64
 H, K = 3, 4
@@ -172,16 +172,7 @@ def test_compile_fullgraph_gate_forward_backward() -> None:
 
     x = make_inputs(2, 9, 1, 4, 4, HV=2, gate_in_kernel=True)
     leaves = [t.requires_grad_() for t in (x["g"], x["A_log"], x["dt_bias"], x["q"], x["k"], x["v"], x["beta"])]
-    loss = step(*leaves)
-    grads = torch.autograd.grad(loss, leaves)
-    counter = CompileCounterWithBackend("inductor")
-    compiled = torch.compile(step, backend=counter, fullgraph=True)
-    loss_c = compiled(*leaves)
-    grads_c = torch.autograd.grad(loss_c, leaves)
-    assert counter.frame_count == 1
-    torch.testing.assert_close(loss_c, loss)
-    for a, b in zip(grads_c, grads):
-        torch.testing.assert_close(a, b)
+    assert_compiles_like_eager(step, leaves)
 
 
 def _ok() -> dict[str, Any]:

@@ -12,6 +12,7 @@ import kda_ops
 from kda_ops import ops
 from kda_ops.reference import naive_recurrent_kda
 from kda_ops.testing import make_inputs, make_state, rel_err
+from tests.cases import assert_compiles_like_eager
 
 F64 = torch.float64
 SCHEDULES = {"chunk": kda_ops.chunk_kda, "recurrent": kda_ops.recurrent_kda}
@@ -171,16 +172,7 @@ def test_compile_fullgraph_forward_backward(schedule: str) -> None:
     x = make_inputs(2, 9, 1, 4, 4, HV=2)
     h0 = make_state(2, 2, 4, 4)
     leaves = [t.requires_grad_() for t in (*x.values(), h0)]
-    loss = step(*leaves)
-    grads = torch.autograd.grad(loss, leaves)
-    counter = CompileCounterWithBackend("inductor")
-    compiled = torch.compile(step, backend=counter, fullgraph=True)
-    loss_c = compiled(*leaves)
-    grads_c = torch.autograd.grad(loss_c, leaves)
-    assert counter.frame_count == 1
-    torch.testing.assert_close(loss_c, loss)
-    for a, b in zip(grads_c, grads):
-        torch.testing.assert_close(a, b)
+    assert_compiles_like_eager(step, leaves)
 
 
 def test_compile_one_graph_across_T() -> None:

@@ -3,7 +3,6 @@ synchronises with the device (``torch.cuda.set_sync_debug_mode("error")``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,15 +13,6 @@ from kda_ops.testing import make_inputs
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
-
-
-@pytest.fixture
-def checked() -> Iterator[None]:
-    kda_ops.set_checks(True)
-    try:
-        yield
-    finally:
-        kda_ops.set_checks(False)
 
 
 def _inputs(T: int = 40) -> dict[str, torch.Tensor]:

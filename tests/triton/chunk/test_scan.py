@@ -21,16 +21,25 @@ from tests.triton.sm90 import check_compiles  # noqa: E402
 pytestmark = [*OVERFLOW_WARNINGS, pytest.mark.usefixtures("triton_path")]
 
 
+# sequences of 7, 0, 3 and 1 chunks (the last partial): segments of 1 to 4 chunks, empty ones at 4 segments
+CU_SPLIT = [0, 448, 448, 640, 670]
+# (value tile, segments per sequence, packed batch): CU_STAGES has sequences of 0 to 2 chunks
+SCANS = [(None, None, CU_STAGES), (16, None, CU_STAGES), (None, 3, CU_STAGES), (16, 2, CU_STAGES), (None, 2, CU_SPLIT),
+         (None, 4, CU_SPLIT)]  # fmt: skip
+
+
 @pytest.mark.parametrize("x_form", [False, True], ids=["E_form", "X_form"])
-@pytest.mark.parametrize(("tiles", "segments"), [(None, None), (16, None), (None, 3), (16, 2)])
-def test_stage_scan(tiles: int | None, segments: int | None, x_form: bool, device: torch.device) -> None:
-    """The scan alone (states and errors stored), plain or split into ``segments`` per sequence (some of them
-    empty: the sequences have 0 to 4 chunks). In the X form (the forward's: ``Kt, V, Kb`` in, ``X`` out) the
-    states and the final state are those of the E form's oracle, and ``X`` that of the oracle scan on the X form's
-    factors."""
-    c = stage_case(torch.float32, "reset", "l2norm", V=24, device=device)
+@pytest.mark.parametrize(("tiles", "segments", "cu"), SCANS, ids=[f"{t}-{s}-{len(c)}" for t, s, c in SCANS])
+def test_stage_scan(tiles: int | None, segments: int | None, cu: list[int], x_form: bool, device: torch.device) -> None:
+    """The scan alone (states and errors stored), plain or split into ``segments`` per sequence (the split: segments
+    scanned from a zero state, their maps combined, each finished from its true initial state; some segments
+    empty), against the oracle scan over whole sequences. In the X form (the forward's: ``Kt, V, Kb`` in, ``X``
+    out) the states and the final state are those of the E form's oracle, and ``X`` that of the oracle scan on the
+    X form's factors."""
+    c = stage_case(torch.float32, "normal" if cu is CU_SPLIT else "reset", "l2norm", V=24, device=device,
+                   cu_seqlens=cu)  # fmt: skip
     fa = factors(c)
-    N, HV, K, V = len(CU_STAGES) - 1, 2, 20, 24
+    N, HV, K, V = len(cu) - 1, 2, 20, 24
     h0 = make_state(N, HV, K, V, device=device)
     Hin_r, E_r, final_r = oracle_scan(fa["W"], fa["U"], fa["Kend"], fa["Gl"], h0.double(), c["slots"], BT)
     if x_form:
@@ -39,33 +48,6 @@ def test_stage_scan(tiles: int | None, segments: int | None, x_form: bool, devic
     f32 = {n: t.float() for n, t in fa.items()}
     final = torch.empty(N, HV, K, V, device=device)
     with force_forms(scan_block_v=tiles, scan_segments=segments):
-        Hin, E = chunk_state(f32[W], f32[U], f32[Kend], f32["Gl"], h0, c["cu"], stage_precision(device), final=final,
-                             x_form=x_form)  # fmt: skip
-    u = used(c["slots"])
-    assert_rel(Hin[u], Hin_r[u], 1e-5, "Hin")
-    assert_rel(E, E_r, 1e-5, "X" if x_form else "E")
-    assert_rel(final, final_r, 1e-5, "final")
-    assert torch.equal(final[1], h0[1]), "an empty sequence keeps its initial state"
-
-
-# sequences of 7, 0, 3 and 1 chunks (the last partial): segments of 1 to 3 chunks, empty ones at 4 segments
-CU_SPLIT = [0, 448, 448, 640, 670]
-
-
-@pytest.mark.parametrize("x_form", [False, True], ids=["E_form", "X_form"])
-@pytest.mark.parametrize("segments", [2, 4])
-def test_split_scan(segments: int, x_form: bool, device: torch.device) -> None:
-    """The split scan (segments scanned from a zero state, their maps combined, each finished from its true initial
-    state) equals the oracle scan over whole sequences."""
-    c = stage_case(torch.float32, "normal", "l2norm", V=24, device=device, cu_seqlens=CU_SPLIT)
-    fa = factors(c)
-    N, HV, K, V = len(CU_SPLIT) - 1, 2, 20, 24
-    h0 = make_state(N, HV, K, V, device=device)
-    W, U, Kend = ("Kt", "V", "Kb") if x_form else ("W", "U", "Kend")
-    Hin_r, E_r, final_r = oracle_scan(fa[W], fa[U], fa[Kend], fa["Gl"], h0.double(), c["slots"], BT)
-    f32 = {n: t.float() for n, t in fa.items()}
-    final = torch.empty(N, HV, K, V, device=device)
-    with force_forms(scan_segments=segments):
         Hin, E = chunk_state(f32[W], f32[U], f32[Kend], f32["Gl"], h0, c["cu"], stage_precision(device), final=final,
                              x_form=x_form)  # fmt: skip
     u = used(c["slots"])
