@@ -12,6 +12,7 @@ from torch import Tensor
 
 from kda_ops.common import Options, state_dtype
 from kda_ops.reference.inputs import transform_inputs
+from kda_ops.reference.threads import loop_threads
 
 
 def naive_recurrent_kda(
@@ -56,17 +57,18 @@ def naive_recurrent_kda(
     outs = torch.zeros(B, T, HV, V, dtype=dtype, device=v.device)
     o_rows: list[list[Tensor]] = [[] for _ in range(B)]
     finals = []
-    for n, (b, t0, t1) in enumerate(bounds):
-        S = torch.zeros(HV, K, V, dtype=dtype, device=v.device)
-        if initial_state is not None:
-            S = initial_state[n].to(dtype)
-        for t in range(t0, t1):
-            S = S * gp[b, t].exp().unsqueeze(-1)
-            prediction = torch.einsum("hkv,hk->hv", S, kp[b, t])
-            residual = bp[b, t].unsqueeze(-1) * (vp[b, t] - prediction)
-            S = S + torch.einsum("hk,hv->hkv", kp[b, t], residual)
-            o_rows[b].append(torch.einsum("hk,hkv->hv", qp[b, t] * scale, S))
-        finals.append(S)
+    with loop_threads(HV * K * V):
+        for n, (b, t0, t1) in enumerate(bounds):
+            S = torch.zeros(HV, K, V, dtype=dtype, device=v.device)
+            if initial_state is not None:
+                S = initial_state[n].to(dtype)
+            for t in range(t0, t1):
+                S = S * gp[b, t].exp().unsqueeze(-1)
+                prediction = torch.einsum("hkv,hk->hv", S, kp[b, t])
+                residual = bp[b, t].unsqueeze(-1) * (vp[b, t] - prediction)
+                S = S + torch.einsum("hk,hv->hkv", kp[b, t], residual)
+                o_rows[b].append(torch.einsum("hk,hkv->hv", qp[b, t] * scale, S))
+            finals.append(S)
     if cu_seqlens is None:
         o = torch.stack([torch.stack(rows) for rows in o_rows]) if B > 0 and T > 0 else outs
     else:

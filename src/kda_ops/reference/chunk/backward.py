@@ -23,6 +23,7 @@ from kda_ops.reference.chunk.common import (
 )
 from kda_ops.reference.chunk.forward import flatten_inputs, forward_chunks
 from kda_ops.reference.inputs import transform_inputs_bwd
+from kda_ops.reference.threads import loop_threads
 
 
 def chunk_bwd(
@@ -61,13 +62,14 @@ def chunk_bwd(
     # reverse scan: dS' of each slot, and dE
     dS = h0.new_zeros(h0.shape[1:])
     dSps, dEs, dSins = [], [], []
-    for c in reversed(range(st.index.shape[0])):
-        dSp = torch.where(st.slots.last[c], dht_p[st.slots.seq[c]], dS)
-        dE = Kend[c] @ dSp + st.Mqk[c].transpose(-1, -2) @ dO[c]
-        dS = Gl[c].exp().unsqueeze(-1) * dSp + Qt[c].transpose(-1, -2) @ dO[c] - st.W[c].transpose(-1, -2) @ dE
-        dSps.append(dSp)
-        dEs.append(dE)
-        dSins.append(dS)
+    with loop_threads(dS.numel()):
+        for c in reversed(range(st.index.shape[0])):
+            dSp = torch.where(st.slots.last[c], dht_p[st.slots.seq[c]], dS)
+            dE = Kend[c] @ dSp + st.Mqk[c].transpose(-1, -2) @ dO[c]
+            dS = Gl[c].exp().unsqueeze(-1) * dSp + Qt[c].transpose(-1, -2) @ dO[c] - st.W[c].transpose(-1, -2) @ dE
+            dSps.append(dSp)
+            dEs.append(dE)
+            dSins.append(dS)
     dSp_all, dSin_all = (stack_slots(x[::-1], dS.shape, dS) for x in (dSps, dSins))
     dE_all = stack_slots(dEs[::-1], st.E.shape[1:], dS)
     # empty sequences pass the final-state gradient straight through; the others take their first slot's

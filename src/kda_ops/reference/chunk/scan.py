@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from kda_ops.reference.chunk.common import gather, scatter, slot_index, stack_slots
+from kda_ops.reference.threads import loop_threads
 from kda_ops.varlen import ChunkSlots
 
 
@@ -27,13 +28,14 @@ def state_scan(
     N, HV, K, V = h0.shape
     S = h0.new_zeros(HV, K, V)
     Hin, Es, Souts = [], [], []
-    for c in range(W.shape[0]):
-        S = torch.where(slots.first[c], h0[slots.seq[c]], S)
-        Hin.append(S)
-        E = U[c] - W[c] @ S
-        S = Gl[c].exp().unsqueeze(-1) * S + Kend[c].transpose(-1, -2) @ E
-        Es.append(E)
-        Souts.append(S)
+    with loop_threads(S.numel()):
+        for c in range(W.shape[0]):
+            S = torch.where(slots.first[c], h0[slots.seq[c]], S)
+            Hin.append(S)
+            E = U[c] - W[c] @ S
+            S = Gl[c].exp().unsqueeze(-1) * S + Kend[c].transpose(-1, -2) @ E
+            Es.append(E)
+            Souts.append(S)
     final = torch.cat([h0, h0.new_zeros(1, HV, K, V)])
     final = final.index_copy(0, torch.where(slots.last, slots.seq, N), stack_slots(Souts, S.shape, S))[:N]
     return stack_slots(Hin, S.shape, S), stack_slots(Es, U.shape[1:], U), final

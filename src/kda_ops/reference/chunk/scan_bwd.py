@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from kda_ops.reference.chunk.common import gather, scatter, slot_index, stack_slots
+from kda_ops.reference.threads import loop_threads
 from kda_ops.varlen import ChunkSlots
 
 
@@ -31,13 +32,14 @@ def scan_bwd(
         dht_p[:N] = dht
     dS = W.new_zeros(HV, K, V)
     dSps, dEs, dSins = [], [], []
-    for c in reversed(range(index.shape[0])):
-        dSp = torch.where(slots.last[c], dht_p[slots.seq[c]], dS)
-        dE = Kc[c] @ dSp + Mc[c].transpose(-1, -2) @ dOc[c]
-        dS = Gl[c].exp().unsqueeze(-1) * dSp + Qc[c].transpose(-1, -2) @ dOc[c] - Wc[c].transpose(-1, -2) @ dE
-        dSps.append(dSp)
-        dEs.append(dE)
-        dSins.append(dS)
+    with loop_threads(dS.numel()):
+        for c in reversed(range(index.shape[0])):
+            dSp = torch.where(slots.last[c], dht_p[slots.seq[c]], dS)
+            dE = Kc[c] @ dSp + Mc[c].transpose(-1, -2) @ dOc[c]
+            dS = Gl[c].exp().unsqueeze(-1) * dSp + Qc[c].transpose(-1, -2) @ dOc[c] - Wc[c].transpose(-1, -2) @ dE
+            dSps.append(dSp)
+            dEs.append(dE)
+            dSins.append(dS)
     dSp_all, dSin_all = (stack_slots(x[::-1], dS.shape, dS) for x in (dSps, dSins))
     dE_all = stack_slots(dEs[::-1], (HV, C, V), dS)
     dh0 = dht_p.index_copy(0, torch.where(slots.first, slots.seq, N), dSin_all)[:N]

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from kda_ops.common import Options, state_dtype
 from kda_ops.reference.inputs import transform_inputs
+from kda_ops.reference.threads import loop_threads
 from kda_ops.varlen import sanitize_cu_seqlens
 
 
@@ -67,14 +68,15 @@ def recurrent_fwd(
     bp = bp * valid[..., None]
     S = h0.new_zeros(B, HV, K, V)
     o = torch.empty(B, T, HV, V, dtype=dtype, device=dev)
-    for t in range(T):
-        S = torch.where(start[:, t, None, None, None], h0[seq[:, t]], S)
-        S = S * gp[:, t].exp().unsqueeze(-1)
-        prediction = torch.einsum("bhkv,bhk->bhv", S, kp[:, t])
-        residual = bp[:, t].unsqueeze(-1) * (vp[:, t] - prediction)
-        S = S + torch.einsum("bhk,bhv->bhkv", kp[:, t], residual)
-        o[:, t] = torch.einsum("bhk,bhkv->bhv", qp[:, t], S) * valid[:, t, None, None]
-        finals = finals.index_copy(0, torch.where(end[:, t] & valid[:, t], seq[:, t], N), S)
+    with loop_threads(S.numel()):
+        for t in range(T):
+            S = torch.where(start[:, t, None, None, None], h0[seq[:, t]], S)
+            S = S * gp[:, t].exp().unsqueeze(-1)
+            prediction = torch.einsum("bhkv,bhk->bhv", S, kp[:, t])
+            residual = bp[:, t].unsqueeze(-1) * (vp[:, t] - prediction)
+            S = S + torch.einsum("bhk,bhv->bhkv", kp[:, t], residual)
+            o[:, t] = torch.einsum("bhk,bhkv->bhv", qp[:, t], S) * valid[:, t, None, None]
+            finals = finals.index_copy(0, torch.where(end[:, t] & valid[:, t], seq[:, t], N), S)
     final = finals[:N].float() if dtype != torch.float64 else finals[:N]
     if not output_final_state:
         final = final.new_empty(0)
