@@ -278,7 +278,7 @@ def recurrent_variants() -> dict[str, Variant]:
     from kda_ops.triton.recurrent.forward import recurrent_fwd_kernel
 
     def forward(K: int, V: int, x: torch.dtype, opts: dict[str, bool], *, serving: bool = False,
-                varlen: bool = False, state: bool = True) -> Variant:  # fmt: skip
+                varlen: bool = False, state: bool = True, v_first: bool = False) -> Variant:  # fmt: skip
         BK, BV, warps = recurrent_config(K, V)
         s = F64 if x == F64 else F32
         args = dict(q=x, k=x, v=x, g=s, beta=x, o=x, h0=s if state else None, ht=s if state else None,
@@ -286,11 +286,12 @@ def recurrent_variants() -> dict[str, Variant]:
                     A_log=F32 if opts["HAS_A_LOG"] else None, dt_bias=F32 if opts["HAS_DT_BIAS"] else None,
                     scale=0.1, lower_bound=-5.0, T=7, NS=9, H=8, HV=32, K=K, V=V, BK=BK, BV=BV,
                     DT=tl.float64 if x == F64 else tl.float32, **opts, USE_INITIAL_STATE=state,
-                    STORE_FINAL_STATE=state, IS_VARLEN=varlen, USE_STATE_INDICES=serving)  # fmt: skip
+                    STORE_FINAL_STATE=state, IS_VARLEN=varlen, USE_STATE_INDICES=serving,
+                    STATE_V_FIRST=v_first)  # fmt: skip
         return "recurrent.forward", recurrent_fwd_kernel, args, warps, STAGES
 
     def backward(K: int, V: int, x: torch.dtype, opts: dict[str, bool], *, varlen: bool = False,
-                 state: bool = True) -> Variant:  # fmt: skip
+                 state: bool = True, v_first: bool = False) -> Variant:  # fmt: skip
         BK, BV, warps = recurrent_bwd_config(K, V)
         s = F64 if x == F64 else F32
         args = dict(q=x, k=x, v=x, g=s, beta=x, do=x, dht=s if state else None, h0=s if state else None, dq=s,
@@ -299,7 +300,7 @@ def recurrent_variants() -> dict[str, Variant]:
                     A_log=F32 if opts["HAS_A_LOG"] else None, dt_bias=F32 if opts["HAS_DT_BIAS"] else None,
                     scale=0.1, lower_bound=-5.0, T=7, TOT=7, N=3, C=8, H=8, HV=32, K=K, V=V, BK=BK, BV=BV,
                     DT=tl.float64 if x == F64 else tl.float32, **opts, USE_INITIAL_STATE=state,
-                    USE_FINAL_STATE_GRADIENT=state, IS_VARLEN=varlen)  # fmt: skip
+                    USE_FINAL_STATE_GRADIENT=state, IS_VARLEN=varlen, STATE_V_FIRST=v_first)  # fmt: skip
         return "recurrent.backward", recurrent_bwd_kernel, args, warps, STAGES
 
     # "decode ..." variants are the performance-critical ones: the test requires them not to spill.
@@ -308,6 +309,14 @@ def recurrent_variants() -> dict[str, Variant]:
         "decode serving bf16 K=V=128 plain varlen": forward(128, 128, BF, RECURRENT_PLAIN, serving=True,
                                                             varlen=True),
         "decode recurrent bf16 K=V=128 l2norm": forward(128, 128, BF, dict(RECURRENT_PLAIN, USE_L2NORM=True)),
+        # the V-first serving step spills 24 B (8 B plain) a thread: outside the no-spill bound until its speed
+        # under a CUDA graph is measured against the K-first step's
+        "serving V-first bf16 K=V=128 all options": forward(128, 128, BF, RECURRENT_ALL, serving=True,
+                                                            v_first=True),
+        "serving V-first bf16 K=V=128 plain varlen": forward(128, 128, BF, RECURRENT_PLAIN, serving=True,
+                                                             varlen=True, v_first=True),
+        "decode recurrent bf16 K=V=128 l2norm V-first": forward(128, 128, BF, dict(RECURRENT_PLAIN, USE_L2NORM=True),
+                                                                v_first=True),
         "forward fp32 K=100 V=72 lower bound varlen": forward(100, 72, F32, RECURRENT_BOUND, varlen=True),
         "forward bf16 K=V=256 all options": forward(256, 256, BF, RECURRENT_ALL),
         "forward fp16 K=V=16 no state": forward(16, 16, F16, RECURRENT_PLAIN, state=False),
@@ -317,6 +326,8 @@ def recurrent_variants() -> dict[str, Variant]:
         "backward bf16 K=100 V=72 lower bound": backward(100, 72, BF, RECURRENT_BOUND),
         "backward bf16 K=V=256 all options": backward(256, 256, BF, RECURRENT_ALL),
         "backward fp64 K=V=64 all options": backward(64, 64, F64, RECURRENT_ALL),
+        "backward bf16 K=V=128 all options varlen V-first": backward(128, 128, BF, RECURRENT_ALL, varlen=True,
+                                                                     v_first=True),
     }  # fmt: skip
 
 
