@@ -154,17 +154,17 @@ def chunk_variants() -> dict[str, Variant]:
         return a
 
     def scn(K: int, V: int, BV: int, store: torch.dtype = BF, prec: str = "bf16", norms: bool = False,
-            x_form: bool = False, phase: int = 0) -> dict[str, Any]:  # fmt: skip
+            x_form: bool = False, phase: int = 0, v_first: bool = False) -> dict[str, Any]:  # fmt: skip
         return dict(W=store, U=store, Kend=store, Gl=F32, h0=F32, final=F32, Hin=store,
                     E=store, Nk=F32 if norms else None, cu=I64, chunk_off=I64, MB=F32 if phase == 1 else None, HV=32,
                     T=1000, NSEG=1 if phase == 0 else 7, K=K, V=V,
                     BK=max(16, triton.next_power_of_2(K)), BV=BV, BT=64, USE_INITIAL_STATE=True,
                     STORE_FINAL_STATE=True, PREC_SCAN=prec, DT=tl.float32, NORMS=norms, X_FORM=x_form,
-                    PHASE=phase)  # fmt: skip
+                    PHASE=phase, STATE_V_FIRST=v_first)  # fmt: skip
 
-    def seg(K: int, V: int) -> dict[str, Any]:
+    def seg(K: int, V: int, v_first: bool = False) -> dict[str, Any]:
         return dict(MB=F32, h0=F32, Sin=F32, HV=32, NSEG=7, K=K, V=V, BK=K, BV=32, BKC=32, USE_INITIAL_STATE=True,
-                    PREC="ieee", DT=tl.float32)  # fmt: skip
+                    PREC="ieee", DT=tl.float32, STATE_V_FIRST=v_first)  # fmt: skip
 
     stage = dict(slot_start=I64, slot_count=I64, lower_bound=0.0, HV=32, BT=64, USE_GATE=True, HAS_A_LOG=True,
                  HAS_DT_BIAS=True, USE_LOWER_BOUND=False, DT=tl.float32)  # fmt: skip
@@ -185,6 +185,12 @@ def chunk_variants() -> dict[str, Variant]:
                                                         scn(128, 128, 32, phase=1), 4, 1),
         **{f"segment states fp32 K=V={K}": ("chunk.scan", scan.segment_states_kernel, seg(K, K), 4, 1)
            for K in (128, 256)},
+        "scan bf16 K=V=128 BV=32 norms X form V-first": ("chunk.scan", scan.chunk_state_kernel,
+                                                         scn(128, 128, 32, norms=True, x_form=True, v_first=True), 8,
+                                                         1),
+        "split scan pass 2 bf16 K=V=128 BV=32 norms X form V-first": ("chunk.scan", scan.chunk_state_kernel,
+            scn(128, 128, 32, norms=True, x_form=True, phase=2, v_first=True), 4, 1),
+        "segment states fp32 K=V=128 V-first": ("chunk.scan", scan.segment_states_kernel, seg(128, 128, True), 4, 1),
         **{f"output norms bf16 K=V={K} BV={bv}": ("chunk.output", output.chunk_output_kernel, dict(Qt=BF, Mqk=BF,
            Hin=BF, E=BF, o=BF, Nq=F32, slot_start=I64, slot_count=I64, NC=17, HV=32, T=1000, K=K, V=K, BK=K, BV=bv,
            BT=64, PREC="bf16", DT=tl.float32, NORMS=True, STAGES=st), 4, st)
@@ -222,7 +228,7 @@ def backward_launches() -> dict[str, Variant]:
     """Every kernel of the chunk backward as its driver launches it on an H200 (132 SMs) for bf16 inputs, H = 32,
     K = V = 128, l2norm, initial state and final-state gradient: the driver runs on small CPU tensors with Triton's
     launch replaced by a recorder, so the variants follow the launchers' own tiles and warps. Each belongs to the
-    module that defines its kernel."""
+    module that defines its kernel. A second run with V-first states adds the kernels that read or write them."""
     from triton.runtime.jit import JITFunction
 
     from kda_ops.common import Options
@@ -242,8 +248,10 @@ def backward_launches() -> dict[str, Variant]:
     try:
         x = make_inputs(1, 128, 32, 128, 128, dtype=BF)
         do = torch.randn(1, 128, 32, 128, dtype=BF)
-        KERNELS["chunk_bwd"](do, torch.randn(1, 32, 128, 128), x["q"], x["k"], x["v"], x["g"], x["beta"], 0.088,
-                             torch.zeros(1, 32, 128, 128), None, None, None, Options(use_qk_l2norm=True))  # fmt: skip
+        for v_first in (False, True):
+            KERNELS["chunk_bwd"](do, torch.randn(1, 32, 128, 128), x["q"], x["k"], x["v"], x["g"], x["beta"], 0.088,
+                                 torch.zeros(1, 32, 128, 128), None, None, None,
+                                 Options(use_qk_l2norm=True, state_v_first=v_first))  # fmt: skip
     finally:
         JITFunction.run = original  # type: ignore[method-assign]
         scan.num_sms = num_sms  # type: ignore[assignment]
@@ -254,7 +262,7 @@ def backward_launches() -> dict[str, Variant]:
         a: dict[str, Any] = {n: v.dtype if isinstance(v, torch.Tensor) else v for n, v in zip(fn.arg_names, args)}
         for n in fn.arg_names[len(args):]:
             a[n] = meta[n]
-        flags = "".join(f" {flag}" for flag in ("BLOCKS", "BACKWARD", "STORE_TM") if meta.get(flag))
+        flags = "".join(f" {flag}" for flag in ("BLOCKS", "BACKWARD", "STORE_TM", "STATE_V_FIRST") if meta.get(flag))
         source = fn.__module__.removeprefix("kda_ops.triton.")
         out.setdefault(f"bwd {fn.__name__}{flags}", (source, fn, a, warps, stages))
     return out
