@@ -227,14 +227,7 @@ def test_inputs_with_T_below_H_are_read_as_B_T_H_K_without_a_warning() -> None:
 
 
 REFUSED: dict[str, tuple[str, dict[str, Any], type[Exception], str]] = {
-    "chunk state_v_first": ("chunk_kda", {"state_v_first": True}, NotImplementedError, "state_v_first"),
-    "chunk transpose_state_layout": ("chunk_kda", {"transpose_state_layout": True}, NotImplementedError,
-                                     "state_v_first"),
     "chunk cp_context": ("chunk_kda", {"cp_context": object()}, NotImplementedError, "cp_context"),
-    "recurrent state_v_first": ("fused_recurrent_kda", {"state_v_first": True}, NotImplementedError,
-                                "state_v_first"),
-    "recurrent transpose_state_layout": ("fused_recurrent_kda", {"transpose_state_layout": True},
-                                         NotImplementedError, "state_v_first"),
     "recurrent ssm_state_indices": ("fused_recurrent_kda", {"ssm_state_indices": torch.zeros(B, 1, dtype=torch.int32)},
                                     NotImplementedError, "ssm_state_indices"),
     "recurrent ssm_state_indices 1-D": ("fused_recurrent_kda", {"ssm_state_indices": torch.arange(B)},
@@ -283,6 +276,21 @@ def test_transpose_state_layout_is_a_deprecated_name() -> None:
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
     with pytest.warns(DeprecationWarning, match="state_v_first"):
         _same(fla.fused_recurrent_kda(*args, transpose_state_layout=False), kda_ops.recurrent_kda(*args))
+
+
+@pytest.mark.parametrize("name", ["state_v_first", "transpose_state_layout"])
+@pytest.mark.parametrize("fn", ["chunk_kda", "fused_recurrent_kda"])
+def test_state_v_first_is_kda_ops_state_v_first(fn: str, name: str) -> None:
+    """The peer's V-first layout (or its deprecated name) is kda-ops' own: states [N, HV, V, K] in and out."""
+    x = _recurrent_doc_inputs()
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    h0 = torch.randn(B, HV, V, K)
+    ours = {"chunk_kda": kda_ops.chunk_kda, "fused_recurrent_kda": kda_ops.recurrent_kda}[fn]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        got = getattr(fla, fn)(*args, initial_state=h0, output_final_state=True, **{name: True})
+    _same(got, ours(*args, initial_state=h0, output_final_state=True, state_v_first=True))
+    assert got[1] is not None and got[1].shape == (B, HV, V, K)
 
 
 def test_compile_fullgraph_of_the_compat_functions() -> None:

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from kda_ops import ops
 from kda_ops.api import check_float, chunk_kda, recurrent_kda, recurrent_kda_update_
-from kda_ops.common import num_sequences, state_dtype
+from kda_ops.common import num_sequences, state_dtype, state_shape
 
 # keyword arguments of chunk_kda that recurrent_kda does not take, and those the serving step does not take either
 _CHUNK_ONLY = ("recompute_in_backward", "return_intermediate_states")
@@ -49,7 +49,8 @@ def warmup(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kwargs: A
     then wait for the device.
 
     Pass example inputs with the real ``H``, ``HV``, ``K``, ``V``, dtypes and keyword options (``initial_state``
-    and ``output_final_state`` included: each combination is its own compiled kernel); small ``B`` and ``T``
+    and ``output_final_state`` included: each combination is its own compiled kernel; ``state_v_first`` too, which
+    the serving step's scratch pool follows); small ``B`` and ``T``
     suffice. Afterwards calls with any ``B``, ``T`` and ``cu_seqlens`` values run without autotuning, so they can
     be captured in a CUDA graph. A no-op on the CPU. Not for use inside a capture or a compiled region.
     """
@@ -68,7 +69,8 @@ def warmup(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kwargs: A
     recurrent_kda(q, k, v, g, beta, **_without(kwargs, _CHUNK_ONLY))
     # the serving step from a scratch pool, one slot per sequence (its options without the state arguments)
     N = num_sequences(q, kwargs.get("cu_seqlens"))
-    pool = torch.zeros(N, v.shape[2], q.shape[3], v.shape[3], device=q.device, dtype=state_dtype(v))
+    shape = state_shape(N, v.shape[2], q.shape[3], v.shape[3], kwargs.get("state_v_first", False))
+    pool = torch.zeros(shape, device=q.device, dtype=state_dtype(v))
     options = _without(kwargs, _NOT_SERVING)
     with torch.no_grad():  # the serving step is not differentiable
         for dtype in (torch.int32, torch.int64):

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from kda_ops import checks, ops
-from kda_ops.common import num_sequences
+from kda_ops.common import num_sequences, state_shape
 
 MAX_HEAD_DIM = 256
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -70,6 +70,13 @@ def _check_shape(name: str, x: Tensor, shape: tuple[int, ...], text: str) -> Non
         _fail(ValueError, name, f"shape {text} = {list(shape)}", list(x.shape))
 
 
+def _layout(lead: str, state_v_first: bool) -> str:
+    """The expected shape of a state tensor in words, naming the layout."""
+    if state_v_first:
+        return f"[{lead}, HV, V, K] (the V-first layout of state_v_first=True)"
+    return f"[{lead}, HV, K, V] (the K-first layout; state_v_first=True takes [{lead}, HV, V, K])"
+
+
 def _validate(
     q: Tensor,
     k: Tensor,
@@ -83,6 +90,7 @@ def _validate(
     A_log: Tensor | None,
     dt_bias: Tensor | None,
     lower_bound: float | Tensor | None,
+    state_v_first: bool = False,
 ) -> tuple[float, float | None]:
     """Check every argument against the contract; return the scale and the gate's lower bound to use."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
@@ -128,7 +136,8 @@ def _validate(
 
     if initial_state is not None:
         check_float("initial_state", initial_state)
-        _check_shape("initial_state", initial_state, (N, HV, K, V), "[N, HV, K, V]")
+        _check_shape("initial_state", initial_state, state_shape(N, HV, K, V, state_v_first),
+                     _layout("N", state_v_first))  # fmt: skip
         others.append(("initial_state", initial_state))
 
     if use_gate_in_kernel:
@@ -190,21 +199,24 @@ def _run(
     lower_bound: float | Tensor | None,
     use_beta_sigmoid_in_kernel: bool,
     allow_neg_eigval: bool,
+    state_v_first: bool,
     *extra: bool,
 ) -> tuple[Tensor, ...]:
     check_flags(
         ("output_final_state", output_final_state), ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
         ("use_gate_in_kernel", use_gate_in_kernel), ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
-        ("allow_neg_eigval", allow_neg_eigval),
+        ("allow_neg_eigval", allow_neg_eigval), ("state_v_first", state_v_first),
     )  # fmt: skip
     s, bound = _validate(
-        q, k, v, g, beta, scale, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound
-    )
+        q, k, v, g, beta, scale, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+        state_v_first,
+    )  # fmt: skip
     if checks.active(g):
         checks.check_gate_and_beta(g, beta, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     o, final, *states = entry(
         q, k, v, g, beta, s, initial_state, cu_seqlens, A_log, dt_bias, bound, output_final_state,
         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, *extra,
+        state_v_first=state_v_first,
     )  # fmt: skip
     return (o, final if output_final_state else None, *states)
 
@@ -217,8 +229,10 @@ _DOC_ARGS = """
         g: ``[B, T, HV, K]``, log decay (``<= 0``), or the raw gate input with ``use_gate_in_kernel``.
         beta: ``[B, T, HV]`` in ``[0, 1]``, or logits with ``use_beta_sigmoid_in_kernel``.
         scale: multiplies q; default ``K ** -0.5``. A Python float: a new value recompiles a compiled graph.
-        initial_state: ``[N, HV, K, V]`` (float32), N = B, or ``len(cu_seqlens) - 1``.
-        output_final_state: also return the state after the last token, ``[N, HV, K, V]`` float32.
+        initial_state: ``[N, HV, K, V]`` (float32), N = B, or ``len(cu_seqlens) - 1``; ``[N, HV, V, K]`` with
+            ``state_v_first``.
+        output_final_state: also return the state after the last token, ``[N, HV, K, V]`` float32 (``[N, HV, V,
+            K]`` with ``state_v_first``).
         cu_seqlens: ``[N + 1]`` int32/int64 prefix sums of packed sequences (then B = 1); ``cu_seqlens[0] == 0``,
             non-decreasing, last == T. Values are not read on a GPU: they are the caller's contract.
         use_qk_l2norm_in_kernel: normalise q and k: ``x / sqrt(sum(x * x) + 1e-6)``.
@@ -228,9 +242,13 @@ _DOC_ARGS = """
             tensor is read in eager mode; 0 means no decay).
         use_beta_sigmoid_in_kernel: ``beta = sigmoid(beta)``.
         allow_neg_eigval: beta times 2 (after the sigmoid, if any), so the write can flip a direction.
+        state_v_first: every state in and out (and its gradient) in the V-first layout ``[N, HV, V, K]``, the
+            layout of vLLM's and SGLang's state pools; the kernels read and write it as it is (no transposed copy).
+            Default False: ``[N, HV, K, V]``. The results are the same numbers, transposed.
 
     Returns:
-        ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state ``[N, HV, K, V]`` float32 or None.
+        ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state ``[N, HV, K, V]`` (``[N, HV, V, K]``
+        with ``state_v_first``) float32 or None.
 
     Raises:
         TypeError, ValueError: naming the argument that breaks the contract (the flags must be bools).
@@ -258,6 +276,7 @@ def chunk_kda(
     allow_neg_eigval: bool = False,
     recompute_in_backward: bool = False,
     return_intermediate_states: Literal[False] = False,
+    state_v_first: bool = False,
 ) -> tuple[Tensor, Tensor | None]: ...
 
 
@@ -282,6 +301,7 @@ def chunk_kda(
     allow_neg_eigval: bool = False,
     recompute_in_backward: bool = False,
     return_intermediate_states: Literal[True],
+    state_v_first: bool = False,
 ) -> tuple[Tensor, Tensor | None, Tensor]: ...
 
 
@@ -305,6 +325,7 @@ def chunk_kda(
     allow_neg_eigval: bool = False,
     recompute_in_backward: bool = False,
     return_intermediate_states: bool = False,
+    state_v_first: bool = False,
 ) -> tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, Tensor]:
     want_states = _flag("return_intermediate_states", return_intermediate_states)
     if want_states and ops.trains(q, k, v, g, beta, initial_state, A_log, dt_bias):
@@ -315,7 +336,7 @@ def chunk_kda(
     o, final, *states = _run(
         ops.run_chunk, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
         use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel,
-        allow_neg_eigval, _flag("recompute_in_backward", recompute_in_backward),
+        allow_neg_eigval, state_v_first, _flag("recompute_in_backward", recompute_in_backward),
         _flag("return_intermediate_states", return_intermediate_states),
     )  # fmt: skip
     return (o, final, states[0]) if return_intermediate_states else (o, final)
@@ -339,22 +360,28 @@ def recurrent_kda(
     lower_bound: float | Tensor | None = None,
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     o, final = _run(
         ops.run_recurrent, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
         use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel,
-        allow_neg_eigval,
+        allow_neg_eigval, state_v_first,
     )  # fmt: skip
     return o, final
 
 
-def _validate_pool(q: Tensor, v: Tensor, state_pool: Tensor, state_indices: Tensor, cu_seqlens: Tensor | None) -> None:
+def _validate_pool(
+    q: Tensor, v: Tensor, state_pool: Tensor, state_indices: Tensor, cu_seqlens: Tensor | None, state_v_first: bool
+) -> None:
     """Check the serving step's pool and slot indices (after :func:`_validate` checked the rest)."""
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     N = num_sequences(q, cu_seqlens)
     check_float("state_pool", state_pool)
-    if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (HV, K, V):
-        _fail(ValueError, "state_pool", f"shape [S, HV, K, V] with HV, K, V = {HV}, {K}, {V}", list(state_pool.shape))
+    slot = state_shape(1, HV, K, V, state_v_first)[1:]
+    if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != slot:
+        dims = ", ".join(("HV", "V", "K") if state_v_first else ("HV", "K", "V"))
+        _fail(ValueError, "state_pool", f"shape {_layout('S', state_v_first)} with {dims} = "
+              f"{', '.join(map(str, slot))}", list(state_pool.shape))  # fmt: skip
     if state_pool.dtype not in (torch.float32, torch.float64):
         _fail(TypeError, "state_pool", "a float32 tensor (float64 for checks)", state_pool.dtype)
     if not state_pool.is_contiguous():
@@ -397,6 +424,7 @@ def recurrent_kda_update_(
     lower_bound: float | Tensor | None = None,
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
 ) -> Tensor:
     """The serving step: KDA token by token, from and back into a pool of states, in place. Not differentiable.
 
@@ -409,10 +437,13 @@ def recurrent_kda_update_(
     Args:
         q, k, v, g, beta, scale, cu_seqlens, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
             lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval: as in :func:`recurrent_kda`.
-        state_pool: ``[S, HV, K, V]`` float32 (float64 for checks), contiguous; updated in place.
+        state_pool: ``[S, HV, K, V]`` float32 (float64 for checks), contiguous; updated in place. ``[S, HV, V, K]``
+            with ``state_v_first`` (the layout of vLLM's and SGLang's pools), read and written in that layout, in
+            place: no transposed copy.
         state_indices: ``[N]`` int32/int64, one slot per sequence (N = B, or ``len(cu_seqlens) - 1``), distinct
             except for -1 (padding). Values are checked only on the CPU in eager mode; on a GPU they are the
             caller's contract (any slot outside ``[0, S)`` is treated as padding; repeated slots race).
+        state_v_first: the pool's layout, ``[S, HV, V, K]`` (True) or ``[S, HV, K, V]`` (False, the default).
 
     Returns:
         o: ``[B, T, HV, V]`` in v's dtype.
@@ -423,14 +454,15 @@ def recurrent_kda_update_(
     check_flags(
         ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel), ("use_gate_in_kernel", use_gate_in_kernel),
         ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel), ("allow_neg_eigval", allow_neg_eigval),
+        ("state_v_first", state_v_first),
     )  # fmt: skip
     s, bound = _validate(q, k, v, g, beta, scale, None, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound)
-    _validate_pool(q, v, state_pool, state_indices, cu_seqlens)
+    _validate_pool(q, v, state_pool, state_indices, cu_seqlens, state_v_first)
     if checks.active(g):
         checks.check_gate_and_beta(g, beta, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     return ops.run_update(
         q, k, v, g, beta, state_pool, state_indices, s, cu_seqlens, A_log, dt_bias, bound, use_qk_l2norm_in_kernel,
-        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
     )  # fmt: skip
 
 
@@ -502,6 +534,8 @@ chunk_kda.__doc__ = (
             not under autograd): ``[B, cdiv(T, 64), HV, K, V]``, or with ``cu_seqlens`` ``[1, cdiv(T, 64) + N,
             HV, K, V]``: sequence ``n``'s chunks from its chunk offset ``sum_{m<n} cdiv(len_m, 64)``, the slots past
             the last chunk zero (a static shape: no host sync). In v's dtype for 16-bit inputs, else float32.
+            ``[..., HV, V, K]`` with ``state_v_first``: a transposed copy of the kernels' per-chunk states,
+            which they keep ``[K, V]``.
 
     Returns:""",
     )

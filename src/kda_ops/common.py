@@ -23,13 +23,16 @@ LOG_DECAY_FLOOR = -200.0
 
 @dataclass(frozen=True)
 class Options:
-    """The keyword options of the public contract that change the math (``scale`` aside)."""
+    """The keyword options of the public contract that change the math (``scale`` aside), and the layout of the
+    states in memory: ``state_v_first`` for ``[N, HV, V, K]`` (every state input and output, the serving pool
+    included), else ``[N, HV, K, V]``."""
 
     use_qk_l2norm: bool = False
     use_gate: bool = False
     use_beta_sigmoid: bool = False
     allow_neg_eigval: bool = False
     lower_bound: float | None = None
+    state_v_first: bool = False
 
 
 def state_dtype(v: Tensor) -> torch.dtype:
@@ -43,12 +46,25 @@ def num_sequences(q: Tensor, cu_seqlens: Tensor | None) -> int:
     return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
 
-def forward_outputs(q: Tensor, v: Tensor, cu_seqlens: Tensor | None, output_final_state: bool) -> tuple[Tensor, Tensor]:
-    """Uninitialised ``o [B, T, HV, V]`` (v's dtype) and final state ``[N, HV, K, V]`` (or ``(0,)`` when not asked)."""
+def state_shape(N: int, HV: int, K: int, V: int, state_v_first: bool) -> tuple[int, int, int, int]:
+    """The shape of ``N`` states: ``[N, HV, V, K]`` with ``state_v_first``, else ``[N, HV, K, V]``."""
+    return (N, HV, V, K) if state_v_first else (N, HV, K, V)
+
+
+def transposed(state: Tensor) -> Tensor:
+    """A state tensor in the other layout (``[..., K, V]`` to ``[..., V, K]`` or back), contiguous: a copy."""
+    return state.transpose(-1, -2).contiguous()
+
+
+def forward_outputs(
+    q: Tensor, v: Tensor, cu_seqlens: Tensor | None, output_final_state: bool, state_v_first: bool = False
+) -> tuple[Tensor, Tensor]:
+    """Uninitialised ``o [B, T, HV, V]`` (v's dtype) and final state ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
+    ``state_v_first``; ``(0,)`` when not asked)."""
     K = q.shape[-1]
     HV, V = v.shape[2], v.shape[3]
     o = torch.empty_like(v)
-    shape = (num_sequences(q, cu_seqlens), HV, K, V) if output_final_state else (0,)
+    shape = state_shape(num_sequences(q, cu_seqlens), HV, K, V, state_v_first) if output_final_state else (0,)
     return o, v.new_empty(shape, dtype=state_dtype(v))
 
 

@@ -70,10 +70,12 @@ class KDALayer(nn.Module):
         output_final_state: bool = False,
         cu_seqlens: Tensor | None = None,
         recurrent: bool = False,
+        state_v_first: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """``x [B, T, hidden]`` to ``(y [B, T, hidden], final_state or None)``.
 
-        ``recurrent`` picks the decode schedule (:func:`kda_ops.recurrent_kda`) instead of the chunkwise one.
+        ``recurrent`` picks the decode schedule (:func:`kda_ops.recurrent_kda`) instead of the chunkwise one;
+        ``state_v_first``: ``initial_state`` and the final state ``[N, HV, V, K]`` instead of ``[N, HV, K, V]``.
         """
         check_flags(("recurrent", recurrent))  # output_final_state: checked by the function called
         B, T, _ = x.shape
@@ -96,6 +98,7 @@ class KDALayer(nn.Module):
             dt_bias=self.dt_bias,
             lower_bound=self.lower_bound,
             use_beta_sigmoid_in_kernel=True,
+            state_v_first=state_v_first,
         )  # fmt: skip
         gate = torch.sigmoid(self.g_proj(x).view(B, T, HV, V))
         o = self.o_norm(o) * gate

@@ -11,12 +11,14 @@ Schemas (``torch.ops.kda.*``)::
 
     chunk(q, k, v, g, beta, float scale, Tensor? initial_state, Tensor? cu_seqlens, Tensor? A_log,
           Tensor? dt_bias, float? lower_bound, bool output_final_state, bool use_qk_l2norm_in_kernel,
-          bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval)
+          bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval,
+          bool state_v_first=False)
         -> (Tensor o, Tensor final_state)
     recurrent(...)                      same schema as chunk
     chunk_bwd(do, Tensor? dht, q, k, v, g, beta, float scale, Tensor? initial_state, Tensor? cu_seqlens,
               Tensor? A_log, Tensor? dt_bias, float? lower_bound, bool use_qk_l2norm_in_kernel,
-              bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval)
+              bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval,
+              bool state_v_first=False)
         -> (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)
     recurrent_bwd(...)                  same schema as chunk_bwd
     chunk_train(...)                    chunk's schema -> (o, final_state, Mqk, Qt, Kend, Gl, Tm, W, Hin, E,
@@ -24,13 +26,17 @@ Schemas (``torch.ops.kda.*``)::
                                         reads (Triton kernels only); differentiable in o and final_state
     chunk_bwd_saved(do, Tensor? dht, q, k, v, g, beta, float scale, Tensor? initial_state, Tensor? cu_seqlens,
                     Tensor? A_log, Tensor? dt_bias, Mqk, Qt, Kend, Gl, Tm, W, Hin, E, norms,
-                    float? lower_bound, bool x 4) -> (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)
+                    float? lower_bound, bool x 4, bool state_v_first=False)
+        -> (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)
     recurrent_update_(q, k, v, g, beta, Tensor(a!) state_pool, Tensor state_indices, float scale,
                       Tensor? cu_seqlens, Tensor? A_log, Tensor? dt_bias, float? lower_bound,
                       bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel,
-                      bool allow_neg_eigval) -> Tensor o
+                      bool allow_neg_eigval, bool state_v_first=False) -> Tensor o
         the serving step: reads and writes state_pool [S, HV, K, V] in place at state_indices [N] (-1: padding);
         defined with Library.define rather than custom_op (eager overhead, see its section), not differentiable
+    state_v_first (every op with a state): the states in and out, their gradients and the pool are [N, HV, V, K]
+        (the layout of vLLM's and SGLang's pools) instead of [N, HV, K, V]; the kernels read and write that layout
+        in place, the reference transposes at its boundary
     gate(g, Tensor? A_log, Tensor? dt_bias, float? lower_bound, ScalarType output_dtype) -> Tensor
         the gate alone, g [..., H, K] -> log decay [..., H, K] in output_dtype (computed in float32, float64 for
         float64 inputs); differentiable through
@@ -64,6 +70,7 @@ from kda_ops.common import (
     forward_outputs,
     num_sequences,
     state_dtype,
+    state_shape,
 )
 from kda_ops.varlen import chunk_states_shape
 
@@ -116,10 +123,15 @@ def _triton_kernel(op: str) -> Callable[..., Any]:
 
 @functools.lru_cache(maxsize=256)
 def _options(
-    lower_bound: Optional[float], use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool
+    lower_bound: Optional[float],
+    use_qk_l2norm: bool,
+    use_gate: bool,
+    use_beta_sigmoid: bool,
+    allow_neg_eigval: bool,
+    state_v_first: bool = False,
 ) -> Options:
     """The options of one call (cached: Options is frozen, and building one is a cost of every eager call)."""
-    return Options(use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, lower_bound)
+    return Options(use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, lower_bound, state_v_first)
 
 
 # -------------------------------------------------------------------------------------- eager fast path
@@ -163,7 +175,8 @@ def _direct(op: Any, tensors: tuple[Optional[Tensor], ...]) -> Optional[Callable
 _FORWARD_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor? initial_state, Tensor? cu_seqlens, "
     "Tensor? A_log, Tensor? dt_bias, float? lower_bound, bool output_final_state, bool use_qk_l2norm_in_kernel, "
-    "bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval) -> (Tensor, Tensor)"
+    "bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval, bool state_v_first=False) "
+    "-> (Tensor, Tensor)"
 )
 # The forward ops and the serving op are defined with the low-level Library API; the backward ops with custom_op.
 # The forward is what an eager decode or short prefill pays per call: custom_op's Python wrappers cost ~7 µs more
@@ -196,10 +209,12 @@ def _forward(op: str, ref: Callable[..., tuple[Tensor, ...]], states: bool = Fal
         use_gate_in_kernel: bool,
         use_beta_sigmoid_in_kernel: bool,
         allow_neg_eigval: bool,
+        state_v_first: bool = False,
     ) -> tuple[Tensor, ...]:
         opts = _options(
-            lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval
-        )
+            lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+            state_v_first,
+        )  # fmt: skip
         kernel = _triton_kernel(op) if uses_triton(op, q.device) else ref
         return kernel(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts, output_final_state)
 
@@ -216,14 +231,19 @@ def _forward(op: str, ref: Callable[..., tuple[Tensor, ...]], states: bool = Fal
         dt_bias: Optional[Tensor],
         lower_bound: Optional[float],
         output_final_state: bool,
-        *flags: bool,
+        use_qk_l2norm_in_kernel: bool,
+        use_gate_in_kernel: bool,
+        use_beta_sigmoid_in_kernel: bool,
+        allow_neg_eigval: bool,
+        state_v_first: bool = False,
     ) -> tuple[Tensor, ...]:
-        o, final = forward_outputs(q, v, cu_seqlens, output_final_state)
+        o, final = forward_outputs(q, v, cu_seqlens, output_final_state, state_v_first)
         if not states:
             return o, final
         B, T, _, K = q.shape
         lead = chunk_states_shape(B, T, num_sequences(q, cu_seqlens), cu_seqlens is not None, CHUNK_SIZE)
-        return o, final, v.new_empty(*lead, v.shape[2], K, v.shape[3], dtype=chunk_states_dtype(v))
+        shape = state_shape(0, v.shape[2], K, v.shape[3], state_v_first)[1:]
+        return o, final, v.new_empty(*lead, *shape, dtype=chunk_states_dtype(v))
 
     # every backend, as custom_op registers it (CUDA and the CPU pick their kernel above; other devices run the
     # reference); fake tensors take the fake function below
@@ -256,10 +276,12 @@ def _backward(op: str, ref: Callable[..., tuple[Optional[Tensor], ...]]) -> Any:
         use_gate_in_kernel: bool,
         use_beta_sigmoid_in_kernel: bool,
         allow_neg_eigval: bool,
+        state_v_first: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         opts = _options(
-            lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval
-        )
+            lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+            state_v_first,
+        )  # fmt: skip
         kernel = _triton_kernel(op) if uses_triton(op, q.device) else ref
         grads = kernel(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts)
         # a fresh empty tensor each: outputs of a custom op may not alias one another
@@ -338,10 +360,12 @@ def chunk_train(
     use_gate_in_kernel: bool,
     use_beta_sigmoid_in_kernel: bool,
     allow_neg_eigval: bool,
+    state_v_first: bool = False,
 ) -> _Out11:
     opts = _options(
-        lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval
-    )
+        lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+        state_v_first,
+    )  # fmt: skip
     kernel = _triton_only("chunk_train", q.device)
     out: _Out11 = kernel(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts, output_final_state)
     return out
@@ -362,11 +386,14 @@ def _(
     lower_bound: Optional[float],
     output_final_state: bool,
     use_qk_l2norm_in_kernel: bool,
-    *rest: bool,
+    use_gate_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool,
+    allow_neg_eigval: bool,
+    state_v_first: bool = False,
 ) -> _Out11:
     from kda_ops.triton.chunk.recompute import recomputed_empty  # the op runs only where triton does
 
-    o, final = forward_outputs(q, v, cu_seqlens, output_final_state)
+    o, final = forward_outputs(q, v, cu_seqlens, output_final_state, state_v_first)
     fw = recomputed_empty(q, v, num_sequences(q, cu_seqlens))
     B, T, H = q.shape[:3]
     norms = q.new_empty(2, B * T, H, dtype=state_dtype(v)) if use_qk_l2norm_in_kernel else q.new_empty(0)
@@ -401,10 +428,12 @@ def chunk_bwd_saved(
     use_gate_in_kernel: bool,
     use_beta_sigmoid_in_kernel: bool,
     allow_neg_eigval: bool,
+    state_v_first: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     opts = _options(
-        lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval
-    )
+        lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+        state_v_first,
+    )  # fmt: skip
     kernel = _triton_only("chunk_bwd_saved", q.device)
     saved = (Mqk, Qt, Kend, Gl, Tm, W, Hin, E, norms)
     grads = kernel(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts, saved)
@@ -441,7 +470,7 @@ _lib.define(
     "recurrent_update_(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state_pool, "
     "Tensor state_indices, float scale, Tensor? cu_seqlens, Tensor? A_log, Tensor? dt_bias, float? lower_bound, "
     "bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, "
-    "bool allow_neg_eigval) -> Tensor"
+    "bool allow_neg_eigval, bool state_v_first=False) -> Tensor"
 )
 
 
@@ -462,10 +491,12 @@ def _recurrent_update_impl(
     use_gate_in_kernel: bool,
     use_beta_sigmoid_in_kernel: bool,
     allow_neg_eigval: bool,
+    state_v_first: bool = False,
 ) -> Tensor:
     opts = _options(
-        lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval
-    )
+        lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+        state_v_first,
+    )  # fmt: skip
     op = "recurrent_update_"
     kernel = _triton_kernel(op) if uses_triton(op, q.device) else reference.recurrent_update
     torch.autograd.graph.increment_version(state_pool)
@@ -529,7 +560,7 @@ def _autograd(bwd_op: Any) -> Callable[..., tuple[Optional[Tensor], ...]]:
             None,
             None if A_log is None else dA,
             None if dt_bias is None else ddt,
-            None, None, None, None, None, None,
+            None, None, None, None, None, None, None,
         )  # fmt: skip
 
     return backward
@@ -646,6 +677,7 @@ def run_chunk(
     allow_neg_eigval: bool,
     recompute_in_backward: bool,
     return_intermediate_states: bool = False,
+    state_v_first: bool = False,
 ) -> tuple[Tensor, ...]:
     """``kda::chunk`` on validated arguments, or the training pair ``kda::chunk_train`` where autograd records the
     call on the Triton kernels and ``recompute_in_backward`` is off (the forward keeps its factors for the
@@ -660,7 +692,7 @@ def run_chunk(
     fn = _direct(op, tensors) or op
     o, final, *_kept = fn(
         q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, lower_bound, output_final_state,
-        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
     )  # fmt: skip
     if return_intermediate_states:
         return o, final, _kept[0]
@@ -684,12 +716,13 @@ def run_recurrent(
     use_gate_in_kernel: bool,
     use_beta_sigmoid_in_kernel: bool,
     allow_neg_eigval: bool,
+    state_v_first: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``kda::recurrent`` on validated arguments; ``(o, final_state)``."""
     fn = _direct(recurrent, (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)) or recurrent
     o, final = fn(
         q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, lower_bound, output_final_state,
-        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
     )  # fmt: skip
     return o, final
 
@@ -711,13 +744,14 @@ def run_update(
     use_gate_in_kernel: bool,
     use_beta_sigmoid_in_kernel: bool,
     allow_neg_eigval: bool,
+    state_v_first: bool = False,
 ) -> Tensor:
     """``kda::recurrent_update_`` on validated arguments: the pool updated in place; ``o``."""
     op = recurrent_update_
     fn = _direct(op, (q, k, v, g, beta, state_pool, state_indices, cu_seqlens, A_log, dt_bias)) or op
     o: Tensor = fn(
         q, k, v, g, beta, state_pool, state_indices, scale, cu_seqlens, A_log, dt_bias, lower_bound,
-        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
     )  # fmt: skip
     return o
 

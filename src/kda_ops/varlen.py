@@ -48,15 +48,19 @@ def chunk_states_shape(B: int, T: int, N: int, packed: bool, C: int) -> tuple[in
     return B, (T + C - 1) // C
 
 
-def chunk_states(Hin: Tensor, count: Tensor, B: int, T: int, packed: bool, C: int, dtype: torch.dtype) -> Tensor:
+def chunk_states(
+    Hin: Tensor, count: Tensor, B: int, T: int, packed: bool, C: int, dtype: torch.dtype, state_v_first: bool = False
+) -> Tensor:
     """The state entering each chunk, ``[*chunk_states_shape, HV, K, V]`` in ``dtype``, from ``Hin [NC, HV, K, V]``
-    per chunk slot (``count``: the tokens of each slot)."""
+    per chunk slot (``count``: the tokens of each slot). With ``state_v_first`` ``[..., HV, V, K]``: a transposed
+    copy of ``Hin`` (the chunk kernels keep their per-chunk states ``[K, V]``)."""
     if packed:
         h: Tensor = torch.where((count > 0).view(-1, 1, 1, 1), Hin.to(dtype), Hin.new_zeros((), dtype=dtype))
-        return h.unsqueeze(0)
-    nch = (T + C - 1) // C
-    dense: Tensor = Hin[: B * nch].to(dtype).unflatten(0, (B, nch))
-    return dense
+        h = h.unsqueeze(0)
+    else:
+        nch = (T + C - 1) // C
+        h = Hin[: B * nch].to(dtype).unflatten(0, (B, nch))
+    return h.transpose(-1, -2).contiguous() if state_v_first else h
 
 
 def sequence_chunks(cu_seqlens: Tensor, C: int) -> tuple[Tensor, Tensor]:

@@ -159,17 +159,17 @@ def chunk_variants() -> dict[str, Variant]:
         return a
 
     def scn(K: int, V: int, BV: int, store: torch.dtype = BF, prec: str = "bf16", norms: bool = False,
-            x_form: bool = False, phase: int = 0) -> dict[str, Any]:  # fmt: skip
+            x_form: bool = False, phase: int = 0, v_first: bool = False) -> dict[str, Any]:  # fmt: skip
         return dict(W=store, U=store, Kend=store, Gl=F32, h0=F32, final=F32, Hin=store,
                     E=store, Nk=F32 if norms else None, cu=I64, chunk_off=I64, MB=F32 if phase == 1 else None, HV=32,
                     T=1000, NSEG=1 if phase == 0 else 7, K=K, V=V,
                     BK=max(16, triton.next_power_of_2(K)), BV=BV, BT=64, USE_INITIAL_STATE=True,
                     STORE_FINAL_STATE=True, PREC_SCAN=prec, DT=tl.float32, NORMS=norms, X_FORM=x_form,
-                    PHASE=phase)  # fmt: skip
+                    PHASE=phase, STATE_V_FIRST=v_first)  # fmt: skip
 
-    def seg(K: int, V: int) -> dict[str, Any]:
+    def seg(K: int, V: int, v_first: bool = False) -> dict[str, Any]:
         return dict(MB=F32, h0=F32, Sin=F32, HV=32, NSEG=7, K=K, V=V, BK=K, BV=32, BKC=32, USE_INITIAL_STATE=True,
-                    PREC="ieee", DT=tl.float32)  # fmt: skip
+                    PREC="ieee", DT=tl.float32, STATE_V_FIRST=v_first)  # fmt: skip
 
     stage = dict(slot_start=I64, slot_count=I64, lower_bound=0.0, HV=32, BT=64, USE_GATE=True, HAS_A_LOG=True,
                  HAS_DT_BIAS=True, USE_LOWER_BOUND=False, DT=tl.float32)  # fmt: skip
@@ -190,6 +190,12 @@ def chunk_variants() -> dict[str, Variant]:
                                                         scn(128, 128, 32, phase=1), 4, 1),
         **{f"segment states fp32 K=V={K}": ("chunk.scan", scan.segment_states_kernel, seg(K, K), 4, 1)
            for K in (128, 256)},
+        "scan bf16 K=V=128 BV=32 norms X form V-first": ("chunk.scan", scan.chunk_state_kernel,
+                                                         scn(128, 128, 32, norms=True, x_form=True, v_first=True), 8,
+                                                         1),
+        "split scan pass 2 bf16 K=V=128 BV=32 norms X form V-first": ("chunk.scan", scan.chunk_state_kernel,
+            scn(128, 128, 32, norms=True, x_form=True, phase=2, v_first=True), 4, 1),
+        "segment states fp32 K=V=128 V-first": ("chunk.scan", scan.segment_states_kernel, seg(128, 128, True), 4, 1),
         **{f"output norms bf16 K=V={K} BV={bv}": ("chunk.output", output.chunk_output_kernel, dict(Qt=BF, Mqk=BF,
            Hin=BF, E=BF, o=BF, Nq=F32, slot_start=I64, slot_count=I64, NC=17, HV=32, T=1000, K=K, V=K, BK=K, BV=bv,
            BT=64, PREC="bf16", DT=tl.float32, NORMS=True, STAGES=st), 4, st)
@@ -227,7 +233,8 @@ def backward_launches(x_dtype: torch.dtype = BF, H: int = 32, D: int = 128, tag:
     """Every kernel of the chunk backward as its driver launches it on an H200 (132 SMs) for ``x_dtype`` inputs
     (bf16), ``H`` (32) heads, K = V = ``D`` (128), l2norm, initial state and final-state gradient: the driver runs
     on small CPU tensors with Triton's launch replaced by a recorder, so the variants follow the launchers' own tiles
-    and warps. Each belongs to the module that defines its kernel; ``tag`` marks the names of a non-default set."""
+    and warps. Each belongs to the module that defines its kernel; ``tag`` marks the names of a non-default set. A
+    second run with V-first states adds the kernels that read or write them."""
     from triton.runtime.jit import JITFunction
 
     from kda_ops.common import Options
@@ -247,8 +254,10 @@ def backward_launches(x_dtype: torch.dtype = BF, H: int = 32, D: int = 128, tag:
     try:
         x = make_inputs(1, 128, H, D, D, dtype=x_dtype)
         do = torch.randn(1, 128, H, D, dtype=x_dtype)
-        KERNELS["chunk_bwd"](do, torch.randn(1, H, D, D), x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5,
-                             torch.zeros(1, H, D, D), None, None, None, Options(use_qk_l2norm=True))  # fmt: skip
+        for v_first in (False, True):
+            KERNELS["chunk_bwd"](do, torch.randn(1, H, D, D), x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5,
+                                 torch.zeros(1, H, D, D), None, None, None,
+                                 Options(use_qk_l2norm=True, state_v_first=v_first))  # fmt: skip
     finally:
         JITFunction.run = original  # type: ignore[method-assign]
         scan.num_sms = num_sms  # type: ignore[assignment]
@@ -259,7 +268,7 @@ def backward_launches(x_dtype: torch.dtype = BF, H: int = 32, D: int = 128, tag:
         a: dict[str, Any] = {n: v.dtype if isinstance(v, torch.Tensor) else v for n, v in zip(fn.arg_names, args)}
         for n in fn.arg_names[len(args):]:
             a[n] = meta[n]
-        flags = "".join(f" {flag}" for flag in ("BLOCKS", "BACKWARD", "STORE_TM") if meta.get(flag))
+        flags = "".join(f" {flag}" for flag in ("BLOCKS", "BACKWARD", "STORE_TM", "STATE_V_FIRST") if meta.get(flag))
         source = fn.__module__.removeprefix("kda_ops.triton.")
         out.setdefault(f"bwd{tag} {fn.__name__}{flags}", (source, fn, a, warps, stages))
     return out
@@ -283,7 +292,7 @@ def recurrent_variants() -> dict[str, Variant]:
     from kda_ops.triton.recurrent.forward import recurrent_fwd_kernel
 
     def forward(K: int, V: int, x: torch.dtype, opts: dict[str, bool], *, serving: bool = False,
-                varlen: bool = False, state: bool = True) -> Variant:  # fmt: skip
+                varlen: bool = False, state: bool = True, v_first: bool = False) -> Variant:  # fmt: skip
         BK, BV, warps = recurrent_config(K, V)
         s = F64 if x == F64 else F32
         args = dict(q=x, k=x, v=x, g=s, beta=x, o=x, h0=s if state else None, ht=s if state else None,
@@ -291,11 +300,12 @@ def recurrent_variants() -> dict[str, Variant]:
                     A_log=F32 if opts["HAS_A_LOG"] else None, dt_bias=F32 if opts["HAS_DT_BIAS"] else None,
                     scale=0.1, lower_bound=-5.0, T=7, NS=9, H=8, HV=32, K=K, V=V, BK=BK, BV=BV,
                     DT=tl.float64 if x == F64 else tl.float32, **opts, USE_INITIAL_STATE=state,
-                    STORE_FINAL_STATE=state, IS_VARLEN=varlen, USE_STATE_INDICES=serving)  # fmt: skip
+                    STORE_FINAL_STATE=state, IS_VARLEN=varlen, USE_STATE_INDICES=serving,
+                    STATE_V_FIRST=v_first)  # fmt: skip
         return "recurrent.forward", recurrent_fwd_kernel, args, warps, STAGES
 
     def backward(K: int, V: int, x: torch.dtype, opts: dict[str, bool], *, varlen: bool = False,
-                 state: bool = True) -> Variant:  # fmt: skip
+                 state: bool = True, v_first: bool = False) -> Variant:  # fmt: skip
         BK, BV, warps = recurrent_bwd_config(K, V)
         s = F64 if x == F64 else F32
         args = dict(q=x, k=x, v=x, g=s, beta=x, do=x, dht=s if state else None, h0=s if state else None, dq=s,
@@ -304,7 +314,7 @@ def recurrent_variants() -> dict[str, Variant]:
                     A_log=F32 if opts["HAS_A_LOG"] else None, dt_bias=F32 if opts["HAS_DT_BIAS"] else None,
                     scale=0.1, lower_bound=-5.0, T=7, TOT=7, N=3, C=8, H=8, HV=32, K=K, V=V, BK=BK, BV=BV,
                     DT=tl.float64 if x == F64 else tl.float32, **opts, USE_INITIAL_STATE=state,
-                    USE_FINAL_STATE_GRADIENT=state, IS_VARLEN=varlen)  # fmt: skip
+                    USE_FINAL_STATE_GRADIENT=state, IS_VARLEN=varlen, STATE_V_FIRST=v_first)  # fmt: skip
         return "recurrent.backward", recurrent_bwd_kernel, args, warps, STAGES
 
     # "decode ..." variants are the performance-critical ones: the test requires them not to spill.
@@ -313,6 +323,14 @@ def recurrent_variants() -> dict[str, Variant]:
         "decode serving bf16 K=V=128 plain varlen": forward(128, 128, BF, RECURRENT_PLAIN, serving=True,
                                                             varlen=True),
         "decode recurrent bf16 K=V=128 l2norm": forward(128, 128, BF, dict(RECURRENT_PLAIN, USE_L2NORM=True)),
+        # the V-first serving step spills 24 B (8 B plain) a thread: outside the no-spill bound until its speed
+        # under a CUDA graph is measured against the K-first step's
+        "serving V-first bf16 K=V=128 all options": forward(128, 128, BF, RECURRENT_ALL, serving=True,
+                                                            v_first=True),
+        "serving V-first bf16 K=V=128 plain varlen": forward(128, 128, BF, RECURRENT_PLAIN, serving=True,
+                                                             varlen=True, v_first=True),
+        "decode recurrent bf16 K=V=128 l2norm V-first": forward(128, 128, BF, dict(RECURRENT_PLAIN, USE_L2NORM=True),
+                                                                v_first=True),
         "forward fp32 K=100 V=72 lower bound varlen": forward(100, 72, F32, RECURRENT_BOUND, varlen=True),
         "forward bf16 K=V=256 all options": forward(256, 256, BF, RECURRENT_ALL),
         "forward fp16 K=V=16 no state": forward(16, 16, F16, RECURRENT_PLAIN, state=False),
@@ -322,6 +340,8 @@ def recurrent_variants() -> dict[str, Variant]:
         "backward bf16 K=100 V=72 lower bound": backward(100, 72, BF, RECURRENT_BOUND),
         "backward bf16 K=V=256 all options": backward(256, 256, BF, RECURRENT_ALL),
         "backward fp64 K=V=64 all options": backward(64, 64, F64, RECURRENT_ALL),
+        "backward bf16 K=V=128 all options varlen V-first": backward(128, 128, BF, RECURRENT_ALL, varlen=True,
+                                                                     v_first=True),
     }  # fmt: skip
 
 

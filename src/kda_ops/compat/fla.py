@@ -10,8 +10,10 @@ onto :func:`kda_ops.chunk_kda`, :func:`kda_ops.recurrent_kda` and :func:`kda_ops
   ``cu_seqlens`` nor a graph mode (every call is capturable). The peer's checks of these options are kept: a
   ``chunk_size`` other than 32 or 64, ``safe_gate`` with the in-kernel gate and no ``lower_bound`` in ``[-5, 0)``,
   and ``use_graph`` with ``cu_seqlens`` not of ``max_num_seqs + 1`` entries raise ``ValueError``;
+- ``state_v_first`` (or its old name ``transpose_state_layout``, with a ``DeprecationWarning``) is kda-ops' own
+  ``state_v_first``: states ``[N, HV, V, K]`` in and out;
 - options that would change the result and that kda-ops does not have raise ``NotImplementedError`` naming them:
-  ``state_v_first=True`` (or its old name ``transpose_state_layout``), ``cp_context``; in ``fused_recurrent_kda``
+  ``cp_context``; in ``fused_recurrent_kda``
   ``ssm_state_indices`` and ``num_accepted_tokens`` (a pool of states: :func:`kda_ops.recurrent_kda_update_`
   serves one slot per sequence) and a per-channel ``beta [B, T, HV, V]``;
 - ``return_intermediate_states=True`` returns ``(o, final_state, h)``; packed, ``h`` is the peer's ``[1, NT, ...]``
@@ -44,14 +46,13 @@ def _refuse(option: str, what: str) -> NoReturn:
 
 
 def _state_v_first(state_v_first: bool, kwargs: dict[str, Any], fn: str) -> bool:
-    """``state_v_first``, or its deprecated name ``transpose_state_layout`` (popped from ``kwargs``)."""
+    """``state_v_first``, or its deprecated name ``transpose_state_layout`` (popped from ``kwargs``); a bool, as
+    kda-ops' functions check."""
     if "transpose_state_layout" in kwargs:
         if state_v_first:
             raise ValueError(f"{fn}: pass state_v_first or its deprecated name transpose_state_layout, not both")
         warnings.warn("transpose_state_layout is deprecated: it is named state_v_first", DeprecationWarning, 3)
-        state_v_first = bool(kwargs.pop("transpose_state_layout"))
-    if state_v_first:
-        _refuse("state_v_first", "the V-first state layout [N, HV, V, K]")
+        state_v_first = kwargs.pop("transpose_state_layout")
     return state_v_first
 
 
@@ -121,7 +122,7 @@ def chunk_kda(
         cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        recompute_in_backward=False,
+        recompute_in_backward=False, state_v_first=state_v_first,
     )  # fmt: skip
     if not return_intermediate_states:
         return api.chunk_kda(q, k, v, g, beta, **call)
@@ -174,6 +175,7 @@ def fused_recurrent_kda(
         cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        state_v_first=state_v_first,
     )  # fmt: skip
 
 

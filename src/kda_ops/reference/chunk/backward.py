@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kda_ops.common import Options
+from kda_ops.common import Options, transposed
 from kda_ops.reference.chunk.common import (
     DEFAULT_CHUNK_SIZE,
     gather,
@@ -44,7 +44,8 @@ def chunk_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """Gradients ``(dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)`` of the forward; None where an input is absent.
 
-    ``dht`` is the gradient of the final state (None: zero). Recomputes the forward, then runs the reverse
+    ``dht`` is the gradient of the final state (None: zero); ``dht`` and ``dh0`` are ``[N, HV, V, K]`` with
+    ``opts.state_v_first`` (transposed copies here). Recomputes the forward, then runs the reverse
     scan over chunk slots (the only sequential part) and the per-chunk gradient formulas.
     """
     B, T, H, K = q.shape
@@ -54,7 +55,10 @@ def chunk_bwd(
     st = forward_chunks(qp, kp, vp, gp, bp, scale, h0, cu, chunk_size)
     dtype = h0.dtype
     dO = gather(do.to(dtype).flatten(0, 1), st.index)
-    dht_p = torch.zeros_like(h0) if dht is None or dht.numel() == 0 else dht.to(dtype)
+    if dht is None or dht.numel() == 0:
+        dht_p = torch.zeros_like(h0)
+    else:
+        dht_p = transposed(dht.to(dtype)) if opts.state_v_first else dht.to(dtype)
     dht_p = torch.cat([dht_p, dht_p.new_zeros(1, *dht_p.shape[1:])])
     Gl = st.Gam[..., -1, :]
     Kend = st.k * (Gl.unsqueeze(-2) - st.Gam).exp()
@@ -74,6 +78,8 @@ def chunk_bwd(
     dE_all = stack_slots(dEs[::-1], st.E.shape[1:], dS)
     # empty sequences pass the final-state gradient straight through; the others take their first slot's
     dh0 = dht_p.index_copy(0, torch.where(st.slots.first, st.slots.seq, N), dSin_all)[:N]
+    if opts.state_v_first:
+        dh0 = transposed(dh0)
     # everything below is parallel over chunk slots
     Ht = st.Hin.transpose(-1, -2)
     dQt = dO @ Ht

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from kda_ops.common import Options, chunk_states_dtype, state_dtype
+from kda_ops.common import Options, chunk_states_dtype, state_dtype, transposed
 from kda_ops.reference.chunk.common import (
     DEFAULT_CHUNK_SIZE,
     chunk_local_cumsum,
@@ -87,14 +87,18 @@ def flatten_inputs(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Transforms and head expansion (:func:`~.prepare.prepare_flat`, on the ``[B, T, ...]`` inputs: the transforms
     round alike on every layout of the same shape), then flattening to ``[B*T, HV, ...]``; the state in the compute
-    dtype."""
+    dtype, ``[N, HV, K, V]`` in either layout (with ``opts.state_v_first`` a transposed copy: the oracle transposes
+    at its boundary, so that the chunk math is the same computation in either layout)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dtype = state_dtype(v)
     qp, kp, gp, bp = (x.flatten(0, 1) for x in prepare_flat(q, k, g, beta, A_log, dt_bias, opts, dtype))
     cu = flat_cu_seqlens(cu_seqlens, B, T, v.device)
     N = cu.shape[0] - 1
-    h0 = v.new_zeros(N, HV, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype)
+    if initial_state is None:
+        h0 = v.new_zeros(N, HV, K, V, dtype=dtype)
+    else:
+        h0 = transposed(initial_state.to(dtype)) if opts.state_v_first else initial_state.to(dtype)
     return qp, kp, v.to(dtype).flatten(0, 1), gp, bp, h0, cu
 
 
@@ -113,7 +117,8 @@ def chunk_fwd(
     output_final_state: bool,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> tuple[Tensor, Tensor]:
-    """Returns ``o [B, T, HV, V]`` in v's dtype and the final state ``[N, HV, K, V]`` (``(0,)`` when not asked).
+    """Returns ``o [B, T, HV, V]`` in v's dtype and the final state ``[N, HV, K, V]`` (``(0,)`` when not asked);
+    with ``opts.state_v_first`` the initial and final states are ``[N, HV, V, K]``.
 
     Computes in float32 (float64 for float64 inputs); the final state is float32 (float64).
     """
@@ -143,7 +148,10 @@ def chunk_fwd_states(
     st = forward_chunks(qp, kp, vp, gp, bp, scale, h0, cu, chunk_size)
     o = scatter(_outputs(st, scale), st.index, B * T).unflatten(0, (B, T))
     final = st.final if output_final_state else st.final.new_empty(0)
-    states = chunk_states(st.Hin, st.slots.count, B, T, cu_seqlens is not None, chunk_size, chunk_states_dtype(v))
+    if output_final_state and opts.state_v_first:
+        final = transposed(final)
+    states = chunk_states(st.Hin, st.slots.count, B, T, cu_seqlens is not None, chunk_size, chunk_states_dtype(v),
+                          opts.state_v_first)  # fmt: skip
     return o.to(v.dtype), final, states
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kda_ops.common import Options, state_dtype
+from kda_ops.common import Options, state_dtype, transposed
 from kda_ops.reference.inputs import transform_inputs
 from kda_ops.reference.threads import loop_threads
 from kda_ops.varlen import sanitize_cu_seqlens
@@ -39,7 +39,11 @@ def recurrent_fwd(
     opts: Options,
     output_final_state: bool,
 ) -> tuple[Tensor, Tensor]:
-    """Returns ``o [B, T, HV, V]`` in v's dtype and the final state ``[N, HV, K, V]`` (``(0,)`` when not asked)."""
+    """Returns ``o [B, T, HV, V]`` in v's dtype and the final state ``[N, HV, K, V]`` (``(0,)`` when not asked).
+    With ``opts.state_v_first`` the initial and final states are ``[N, HV, V, K]``: transposed (copies) here, at
+    the oracle's boundary, so that the recurrence below is the same computation in either layout."""
+    if opts.state_v_first and initial_state is not None:
+        initial_state = transposed(initial_state)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dtype = state_dtype(v)
@@ -80,6 +84,8 @@ def recurrent_fwd(
     final = finals[:N].float() if dtype != torch.float64 else finals[:N]
     if not output_final_state:
         final = final.new_empty(0)
+    elif opts.state_v_first:
+        final = transposed(final)
     return o.to(v.dtype), final
 
 
@@ -97,7 +103,8 @@ def recurrent_update(
     dt_bias: Tensor | None,
     opts: Options,
 ) -> Tensor:
-    """Returns ``o [B, T, HV, V]`` (v's dtype); updates ``state_pool [S, HV, K, V]`` at ``state_indices [N]``."""
+    """Returns ``o [B, T, HV, V]`` (v's dtype); updates ``state_pool [S, HV, K, V]`` (``[S, HV, V, K]`` with
+    ``opts.state_v_first``) at ``state_indices [N]``."""
     B, T = q.shape[:2]
     S = state_pool.shape[0]
     idx = state_indices.to(torch.int64)

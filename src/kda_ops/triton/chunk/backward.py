@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kda_ops.common import Options, state_dtype
+from kda_ops.common import Options, state_dtype, state_shape
 from kda_ops.triton.chunk.dqk import chunk_bwd_dqk
 from kda_ops.triton.chunk.dv import chunk_bwd_dv
 from kda_ops.triton.chunk.inputs import transform_inputs, transform_inputs_bwd
@@ -75,7 +75,8 @@ def chunk_bwd(
     """``(dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)``: the signature of ``reference.chunk_bwd``.
 
     Gradients in the dtypes of their inputs (dh0 in the initial state's); None where an input is absent.
-    ``dht`` (``[N, HV, K, V]``, None or empty: zero) is the gradient of the final state. The forward's factors are
+    ``dht`` (``[N, HV, K, V]``, ``[N, HV, V, K]`` with ``opts.state_v_first`` as ``dh0``; None or empty: zero) is
+    the gradient of the final state. The forward's factors are
     recomputed here (the kernel of ``kda::chunk_bwd``, after ``kda::chunk``, which saves only its inputs).
     """
     return _gradients(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts, None)
@@ -134,7 +135,8 @@ def _gradients(
         N = flat_cu_seqlens(cu_seqlens, B, T, v.device).shape[0] - 1
         zq, zk, zg, zb = (torch.zeros_like(x, dtype=dt) for x in (qf, kf, gf, bf))
         dv_t = torch.zeros_like(vf, dtype=dt)
-        dh0: Tensor = torch.zeros(N, HV, K, V, dtype=dt, device=v.device) if dht is None else dht.to(dt, copy=True)
+        shape = state_shape(N, HV, K, V, opts.state_v_first)
+        dh0: Tensor = torch.zeros(shape, dtype=dt, device=v.device) if dht is None else dht.to(dt, copy=True)
     else:
         slots = slot_map(cu_seqlens, B, T, v.device)
         cu = slots.cu
@@ -144,7 +146,7 @@ def _gradients(
         if saved is None:
             fw = chunk_bwd_recompute(
                 q=qp, k=kp, v=vf, g=gp, beta=bp, scale=scale, h0=h0, cu=cu, slots=slots, precision=rp,
-                offsets=slots.offset, norms=norms,
+                offsets=slots.offset, norms=norms, state_v_first=opts.state_v_first,
             )  # fmt: skip
         else:
             fw = Recomputed(*saved[:8])
@@ -155,6 +157,7 @@ def _gradients(
         dE, dSp, dh0_ = chunk_bwd_scan(
             dO=dO, Mqk=fw.Mqk, Qt=fw.Qt, Kend=fw.Kend, W=fw.W, Gl=fw.Gl, dht=dht_c, cu=cu, prec=prec,
             store_dh0=initial_state is not None, offsets=slots.offset, dsp_dtype=store,
+            state_v_first=opts.state_v_first,
         )  # fmt: skip
         # each recomputed intermediate is dropped after its last reader, so that the caching allocator reuses its
         # memory for the next stage's outputs: Mqk, Qt, Kend and W after the scan, Tm and dE after the dv stage

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from kda_ops.common import Options, chunk_states_dtype, forward_outputs, num_sequences, state_dtype
+from kda_ops.common import Options, chunk_states_dtype, forward_outputs, num_sequences, state_dtype, state_shape
 from kda_ops.triton.chunk.inputs import transform_inputs
 from kda_ops.triton.chunk.output import chunk_output
 from kda_ops.triton.chunk.precision import Precision, precision_for
@@ -59,7 +59,8 @@ def chunk_fwd(
     output_final_state: bool,
     precision: Precision | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``o [B, T, HV, V]`` in v's dtype and the final state ``[N, HV, K, V]`` fp32 (``(0,)`` when not asked).
+    """``o [B, T, HV, V]`` in v's dtype and the final state ``[N, HV, K, V]`` fp32 (``(0,)`` when not asked);
+    with ``opts.state_v_first`` the initial and final states are ``[N, HV, V, K]``.
 
     The signature of ``reference.chunk_fwd`` (chunk size fixed at 64); ``precision`` defaults to
     :func:`~kda_ops.triton.chunk.precision.precision_for` of v's dtype.
@@ -88,7 +89,7 @@ def _forward(
     """:func:`chunk_fwd`'s outputs, and with ``states`` the state entering each chunk."""
     B, T = q.shape[:2]
     v = contiguous(v)
-    o, final = forward_outputs(q, v, cu_seqlens, output_final_state)
+    o, final = forward_outputs(q, v, cu_seqlens, output_final_state, opts.state_v_first)
     h0 = None if initial_state is None else contiguous(initial_state.to(state_dtype(v)))
     packed = cu_seqlens is not None
     if B * T == 0:
@@ -96,7 +97,8 @@ def _forward(
         if not states:
             return o, final, None
         lead = chunk_states_shape(B, T, num_sequences(q, cu_seqlens), packed, BT)
-        return o, final, v.new_zeros(*lead, v.shape[2], q.shape[3], v.shape[3], dtype=chunk_states_dtype(v))
+        shape = state_shape(0, v.shape[2], q.shape[3], v.shape[3], opts.state_v_first)[1:]
+        return o, final, v.new_zeros(*lead, *shape, dtype=chunk_states_dtype(v))
     p = precision or precision_for(v.dtype)
     slots = slot_map(cu_seqlens, B, T, v.device)
     cu = slots.cu
@@ -111,7 +113,7 @@ def _forward(
     # stage 4: X = V - Kt S (E = U - W S = Tb X);  S' = exp(Gam_last) S + Kb^T X, keeping the state entering each chunk
     Hin, X = chunk_state(
         W=f.Kt, U=vf, Kend=f.Kb, Gl=f.Gl, h0=h0, cu=cu, precision=p, final=final if output_final_state else None,
-        offsets=slots.offset, norms=f.Nrm, x_form=True,
+        offsets=slots.offset, norms=f.Nrm, x_form=True, state_v_first=opts.state_v_first,
     )
     # stage 5: O = Qt S + Mqk E = Qt S + (Mqk Tb) X, parallel over chunks
     chunk_output(
@@ -120,7 +122,7 @@ def _forward(
     )
     if not states:
         return o, final, None
-    return o, final, chunk_states(Hin, slots.count, B, T, packed, BT, chunk_states_dtype(v))
+    return o, final, chunk_states(Hin, slots.count, B, T, packed, BT, chunk_states_dtype(v), opts.state_v_first)
 
 
 def chunk_fwd_states(
@@ -182,7 +184,7 @@ def chunk_fwd_train(
     """
     B, T = q.shape[:2]
     dt = state_dtype(v)
-    o, final = forward_outputs(q, v, cu_seqlens, output_final_state)
+    o, final = forward_outputs(q, v, cu_seqlens, output_final_state, opts.state_v_first)
     N = num_sequences(q, cu_seqlens)
     h0 = None if initial_state is None else contiguous(initial_state.to(dt))
     if B * T == 0:
@@ -198,6 +200,7 @@ def chunk_fwd_train(
     fw = chunk_bwd_recompute(
         q=qp, k=kp, v=vf, g=gp, beta=bp, scale=scale, h0=h0, cu=slots.cu, slots=slots, precision=rp,
         offsets=slots.offset, norms=norms, final=final if output_final_state else None,
+        state_v_first=opts.state_v_first,
     )
     clear_empty_slots(fw, slots)
     chunk_output(

@@ -77,17 +77,20 @@ def chunk_bwd_recompute(
     offsets: Tensor | None = None,
     norms: Tensor | None = None,
     final: Tensor | None = None,
+    state_v_first: bool = False,
 ) -> Recomputed:
     """Prepared ``q, k [T, H, K]``, ``v [T, HV, V]``, log decay ``g [T, HV, K]``, ``beta [T, HV]``; ``h0`` in the
     compute dtype or None; ``cu`` the sanitized flat ``cu_seqlens`` and ``slots`` its chunk map; ``norms [2, T, H]``
     the l2norm factors of q and k (raw then) or None. Writes the final state into ``final`` when given (the
-    training forward, :func:`~kda_ops.triton.chunk.forward.chunk_fwd_train`)."""
+    training forward, :func:`~kda_ops.triton.chunk.forward.chunk_fwd_train`); ``h0`` and ``final`` are
+    ``[N, HV, V, K]`` with ``state_v_first``, else ``[N, HV, K, V]``."""
     f = chunk_prepare_recompute(
         q=q, k=k, v=v, g=g, beta=beta, scale=scale, slots=slots, precision=precision, norms=norms
     )
     Hin, E = chunk_state(
-        W=f.W, U=f.U, Kend=f.Kend, Gl=f.Gl, h0=h0, cu=cu, precision=precision, final=final, offsets=offsets
-    )
+        W=f.W, U=f.U, Kend=f.Kend, Gl=f.Gl, h0=h0, cu=cu, precision=precision, final=final, offsets=offsets,
+        state_v_first=state_v_first,
+    )  # fmt: skip
     return Recomputed(f.Mqk, f.Qt, f.Kend, f.Gl, f.Tm, f.W, Hin, E)
 
 

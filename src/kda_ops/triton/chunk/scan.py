@@ -39,7 +39,7 @@ from torch import Tensor
 
 from kda_ops.common import state_dtype
 from kda_ops.triton.chunk.precision import Precision
-from kda_ops.triton.chunk.tiles import BT, head_factors, scale_rows, state_tile, store2, tile2
+from kda_ops.triton.chunk.tiles import BT, head_factors, scale_rows, state_offsets, state_tile, store2, tile2
 from kda_ops.triton.lang import mm, pdl_enter
 from kda_ops.triton.launch import (
     Launcher,
@@ -133,7 +133,7 @@ def chunk_state_kernel(
     W, U, Kend, Gl, h0, final, Hin, E, Nk, cu, chunk_off, MB, HV, T, NSEG,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, PREC_SCAN: tl.constexpr, DT: tl.constexpr,
-    NORMS: tl.constexpr, X_FORM: tl.constexpr, PHASE: tl.constexpr, PDL: tl.constexpr,
+    NORMS: tl.constexpr, X_FORM: tl.constexpr, PHASE: tl.constexpr, PDL: tl.constexpr, STATE_V_FIRST: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(PDL)
     # one grid axis (the others stop at 65535), value tiles of one head adjacent: they share W and Kend in L2
@@ -156,6 +156,7 @@ def chunk_state_kernel(
     c0 = tl.load(chunk_off + i_n).to(tl.int64)
     rows = tl.arange(0, BT)
     o_k, m_k, o_v, m_v, m_s, p_s, s_off = state_tile(i_n, i_hv, i_v, HV, K, V, BK, BV)
+    p_u = state_offsets(o_k, o_v, K, V, STATE_V_FIRST)  # the user's h0 and final state; Hin and Sin use p_s
     n_chunks = tl.cdiv(eos - bos, BT).to(tl.int32)
     if PHASE != 0:  # segment i_s: chunks [j0, j0 + L) of the sequence's n_chunks
         L = tl.cdiv(n_chunks, NSEG)
@@ -174,7 +175,7 @@ def chunk_state_kernel(
         m_u = m_v
     else:
         if USE_INITIAL_STATE:
-            S = tl.load(h0 + s_off + p_s, mask=m_s, other=0.0).to(DT)
+            S = tl.load(h0 + s_off + p_u, mask=m_s, other=0.0).to(DT)
         else:
             S = tl.zeros((BK, BV), dtype=DT)
         m_u = m_v
@@ -211,19 +212,20 @@ def chunk_state_kernel(
         p = MB + ((i_n * NS + i_s) * HV + i_hv) * K * (V + K) + o_k[:, None] * (V + K) + o_c[None, :]
         tl.store(p, S.to(MB.dtype.element_ty), mask=m_k[:, None] & m_c[None, :])
     elif STORE_FINAL_STATE:  # by the last segment
-        tl.store(final + s_off + p_s, S.to(final.dtype.element_ty), mask=m_s & (p_s * 0 + i_s == NS - 1))
+        tl.store(final + s_off + p_u, S.to(final.dtype.element_ty), mask=m_s & (p_s * 0 + i_s == NS - 1))
 
 
 @jit_any_length
 def segment_states_kernel(
     MB, h0, Sin, HV, NSEG, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr,
 ):  # fmt: skip
     """The state entering each segment, in order: ``S_in[0] = h0``, ``S_in[s + 1] = M[s] S_in[s] + B[s]`` (one
     program per sequence, value head and value tile; ``M S`` in ``BKC``-wide key blocks, ``S`` read back from
-    ``Sin``). ``PREC`` exact (``"ieee"``): an empty segment (``M = I``, ``B = 0``: the sequence has fewer chunks
-    than segments) passes its state on unchanged; 3xTF32 would round it, for 1% of the forward at B1 T32768 H8 bf16
-    on an H200 (0.992 against 1.018 ms)."""
+    ``Sin``, which keeps ``[K, V]`` whatever the layout of ``h0``). ``PREC`` exact (``"ieee"``): an empty segment
+    (``M = I``, ``B = 0``: the sequence has fewer chunks than segments) passes its state on unchanged; 3xTF32 would
+    round it, for 1% of the forward at B1 T32768 H8 bf16 on an H200 (0.992 against 1.018 ms)."""
     pdl_enter(PDL)
     NV: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0)
@@ -232,7 +234,7 @@ def segment_states_kernel(
     i_n = pid // NV // HV
     o_k, m_k, o_v, m_v, m_s, p_s, s_off = state_tile(i_n, i_hv, i_v, HV, K, V, BK, BV)
     if USE_INITIAL_STATE:
-        S = tl.load(h0 + s_off + p_s, mask=m_s, other=0.0).to(DT)
+        S = tl.load(h0 + s_off + state_offsets(o_k, o_v, K, V, STATE_V_FIRST), mask=m_s, other=0.0).to(DT)
     else:
         S = tl.zeros((BK, BV), dtype=DT)
     o_b = tl.arange(0, BKC)
@@ -273,11 +275,13 @@ def chunk_state(
     offsets: Tensor | None = None,
     norms: Tensor | None = None,
     x_form: bool = False,
+    state_v_first: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Run the scan over the chunks of every sequence of ``cu`` (sanitized, int64, over the flat token stream).
 
     ``W, Kend [T, HV, K]``, ``U [T, HV, V]``, ``Gl [NC, HV, K]`` (per chunk slot), ``h0 [N, HV, K, V]`` or None.
-    Writes ``final [N, HV, K, V]`` if given. Returns the state entering each chunk slot and the chunks' errors,
+    Writes ``final [N, HV, K, V]`` if given. With ``state_v_first``, ``h0`` and ``final`` are ``[N, HV, V, K]``
+    (the chunk buffers keep ``[K, V]``). Returns the state entering each chunk slot and the chunks' errors,
     ``(Hin [NC, HV, K, V], E [T, HV, V])``, in ``precision.store`` (half the traffic of the compute dtype for the
     output stage and the backward, which reads them twice). ``offsets``: each sequence's first chunk slot
     (:func:`chunk_offsets` of ``cu`` when not given).
@@ -305,7 +309,8 @@ def chunk_state(
     args = (contiguous(W), contiguous(U), contiguous(Kend), Gl)
     rest = (None if norms is None else norms[1], cu, offsets)
     meta = dict(K=K, V=V, BK=pow2(K), BV=BV, BT=BT, STORE_FINAL_STATE=final is not None, PREC_SCAN=precision.scan,
-                DT=DT, NORMS=norms is not None, X_FORM=x_form, **launch("scan"), **pdl(W.device))  # fmt: skip
+                DT=DT, NORMS=norms is not None, X_FORM=x_form, STATE_V_FIRST=state_v_first, **launch("scan"),
+                **pdl(W.device))  # fmt: skip
     if nseg == 1:
         _launch_scan(
             (N * HV * cdiv(V, BV),),
@@ -323,13 +328,14 @@ def chunk_state(
     _launch_scan(
         (N * (nseg - 1) * HV * (cdiv(V, BV) + cdiv(K, BV)),),
         (*args, None, None, Hin, E, *rest, MB, HV, T, nseg),
-        dict(meta, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, PHASE=1),
+        # no user state in PHASE 1: the K-first kernel serves both layouts
+        dict(meta, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, PHASE=1, STATE_V_FIRST=False),
     )
     _launch_segments(
         (N * HV * cdiv(V, BV),),
         (MB, h0, Sin, HV, nseg),
         dict(K=K, V=V, BK=pow2(K), BV=BV, BKC=min(32, pow2(K)), USE_INITIAL_STATE=h0 is not None, PREC="ieee", DT=DT,
-             **launch("segments"), **pdl(W.device)),
+             STATE_V_FIRST=state_v_first, **launch("segments"), **pdl(W.device)),
     )  # fmt: skip
     _launch_scan(
         (N * nseg * HV * cdiv(V, BV),),

@@ -19,9 +19,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kda_ops.common import state_shape
 from kda_ops.triton.chunk.precision import exact_bf16
 from kda_ops.triton.chunk.scan import chunk_offsets, scan_block_v
-from kda_ops.triton.chunk.tiles import BT, col_mask, state_tile, store2, tile2
+from kda_ops.triton.chunk.tiles import BT, col_mask, state_offsets, state_tile, store2, tile2
 from kda_ops.triton.lang import mm
 from kda_ops.triton.launch import cdiv, compute_dtype, contiguous, launch, poison, pow2
 
@@ -45,7 +46,7 @@ def chunk_bwd_scan_kernel(
     dO, Mqk, Qt, Kend, W, Gl, dht, dSp, dE, dh0, cu, chunk_off, HV,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     USE_FINAL_STATE_GRADIENT: tl.constexpr, STORE_INITIAL_STATE_GRADIENT: tl.constexpr, PREC: tl.constexpr,
-    PREC_QO: tl.constexpr, DT: tl.constexpr,
+    PREC_QO: tl.constexpr, DT: tl.constexpr, STATE_V_FIRST: tl.constexpr,
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
@@ -56,8 +57,9 @@ def chunk_bwd_scan_kernel(
     rows = tl.arange(0, BT)
     m_r = col_mask(rows, BT, BT)
     o_k, m_k, o_v, m_v, m_s, p_s, s_off = state_tile(i_n, i_hv, i_v, HV, K, V, BK, BV)
+    p_u = state_offsets(o_k, o_v, K, V, STATE_V_FIRST)  # dht and dh0 in the user's layout; dS' keeps p_s
     if USE_FINAL_STATE_GRADIENT:
-        dS = tl.load(dht + s_off + p_s, mask=m_s, other=0.0).to(DT)  # [BK, BV]
+        dS = tl.load(dht + s_off + p_u, mask=m_s, other=0.0).to(DT)  # [BK, BV]
     else:
         dS = tl.zeros((BK, BV), dtype=DT)
     nc = tl.cdiv(eos - bos, BT).to(tl.int32)
@@ -76,7 +78,7 @@ def chunk_bwd_scan_kernel(
         store2(dE + i_hv * V, tok, m, HV * V, o_v, m_v, de)
         dS = dS * tl.exp(gl.to(DT))[:, None] + mm(tl.trans(qt), do, PREC_QO, DT) - mm(tl.trans(w), de, PREC, DT)
     if STORE_INITIAL_STATE_GRADIENT:
-        tl.store(dh0 + s_off + p_s, dS.to(dh0.dtype.element_ty), mask=m_s)
+        tl.store(dh0 + s_off + p_u, dS.to(dh0.dtype.element_ty), mask=m_s)
 
 
 def chunk_bwd_scan(
@@ -92,13 +94,15 @@ def chunk_bwd_scan(
     store_dh0: bool = True,
     offsets: Tensor | None = None,
     dsp_dtype: torch.dtype | None = None,
+    state_v_first: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(dE [T, HV, V], dS' [NC, HV, K, V], dh0 [N, HV, K, V] or None)`` in the compute dtype of ``Gl``, ``dS'`` in
     ``dsp_dtype`` when given.
 
     ``dO [T, HV, V]`` (any float dtype), ``Mqk [T, HV, BT]``, ``Qt, Kend, W [T, HV, K]``, ``Gl [NC, HV, K]`` as from
     the forward's stages; ``dht [N, HV, K, V]`` (None: zero); ``cu`` sanitized flat ``cu_seqlens`` (int64);
-    ``offsets`` each sequence's first chunk slot (computed from ``cu`` when not given).
+    ``offsets`` each sequence's first chunk slot (computed from ``cu`` when not given). With ``state_v_first``
+    ``dht`` and ``dh0`` are ``[N, HV, V, K]`` (``dS'`` keeps ``[K, V]``).
 
     ``dS'`` is stored once per chunk and read by the dq/dk stage, never carried: the scan's own ``dS`` stays in
     fp32 registers, so a 16-bit ``dsp_dtype`` rounds each stored state once, with no compounding over chunks (the
@@ -112,7 +116,7 @@ def chunk_bwd_scan(
     dt = Gl.dtype
     dE = dO.new_empty(T, HV, V, dtype=dt)
     dSp = dO.new_empty(NC, HV, K, V, dtype=dsp_dtype or dt)
-    dh0 = dO.new_empty(N, HV, K, V, dtype=dt) if store_dh0 else None
+    dh0 = dO.new_empty(state_shape(N, HV, K, V, state_v_first), dtype=dt) if store_dh0 else None
     poison(dE, dSp, dh0)
     BV = scan_block_v(V, N * HV, dO.device)
     offsets = chunk_offsets(cu) if offsets is None else offsets
@@ -121,7 +125,7 @@ def chunk_bwd_scan(
         None if dht is None else contiguous(dht), dSp, dE, dh0, cu, offsets, HV,
         K=K, V=V, BK=pow2(K), BV=BV, BT=BT, USE_FINAL_STATE_GRADIENT=dht is not None,
         STORE_INITIAL_STATE_GRADIENT=store_dh0, PREC=prec,
-        PREC_QO=exact_bf16(prec, Qt, dO), DT=compute_dtype(Gl), **launch("scan"),
+        PREC_QO=exact_bf16(prec, Qt, dO), DT=compute_dtype(Gl), STATE_V_FIRST=state_v_first, **launch("scan"),
     )  # fmt: skip
     return dE, dSp, dh0
 

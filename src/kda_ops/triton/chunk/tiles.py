@@ -143,3 +143,13 @@ def state_tile(i_n, i_hv, i_v, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.cons
     p_s = o_k[:, None] * V + o_v[None, :]
     return o_k, m_k, o_v, m_v, m_s, p_s, (i_n.to(tl.int64) * HV + i_hv) * K * V
 
+
+@triton.jit
+def state_offsets(o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_V_FIRST: tl.constexpr):
+    """Offsets ``[BK, BV]`` of a state tile within one state of a user-facing tensor (an initial or final state, or
+    their gradients): ``[K, V]``, or ``[V, K]`` with ``STATE_V_FIRST``. The tile stays ``[BK, BV]`` in registers;
+    the chunk buffers (``Hin``, ``dS'``, the split scan's) keep the ``[K, V]`` offsets of :func:`state_tile`."""
+    if STATE_V_FIRST:
+        return o_v[None, :] * K + o_k[:, None]
+    else:
+        return o_k[:, None] * V + o_v[None, :]

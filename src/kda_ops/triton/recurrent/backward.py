@@ -126,14 +126,14 @@ def recurrent_bwd_kernel(
     g,  # [TOT, HV, K]
     beta,  # [TOT, HV]
     do,  # [TOT, HV, V]
-    dht,  # [N, HV, V, K] (transposed) or None
-    h0,  # [N, HV, V, K] (transposed) or None
+    dht,  # [N, HV, V, K] (V-first: the caller's layout, or transposed for it) or None
+    h0,  # [N, HV, V, K] (V-first, likewise) or None
     dq,  # [NV, TOT, HV, K] partials
     dk,  # [NV, TOT, HV, K] partials
     dv,  # [TOT, HV, V]
     dg,  # [NV, TOT, HV, K] partials
     dbeta,  # [NV, TOT, HV] partials
-    dh0,  # [N, HV, K, V] or None
+    dh0,  # [N, HV, K, V] ([N, HV, V, K] with STATE_V_FIRST) or None
     dA,  # [NV, N, HV] partials or None
     ddt,  # [NV, N, HV, K] partials or None
     ckpt,  # [NC, HV, V, K] checkpoints (transposed, like the tiles)
@@ -164,6 +164,7 @@ def recurrent_bwd_kernel(
     USE_INITIAL_STATE: tl.constexpr,
     USE_FINAL_STATE_GRADIENT: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr,
 ):
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     NV = tl.num_programs(1)
@@ -268,7 +269,10 @@ def recurrent_bwd_kernel(
 
     # 3. the gradient of the initial state, and the per-program sums for the gate parameters
     if USE_INITIAL_STATE:
-        tl.store(dh0 + i_n.to(tl.int64) * (HV * K * V) + o_s, b_G.to(dh0.dtype.element_ty), mask=m_s)
+        if STATE_V_FIRST:
+            tl.store(dh0 + i_n.to(tl.int64) * (HV * K * V) + o_c, b_G.to(dh0.dtype.element_ty), mask=m_s)
+        else:
+            tl.store(dh0 + i_n.to(tl.int64) * (HV * K * V) + o_s, b_G.to(dh0.dtype.element_ty), mask=m_s)
     if HAS_A_LOG:
         tl.store(dA + (i_v * N + i_n) * HV + i_hv, tl.sum(b_dA, 0))
     if HAS_DT_BIAS:
@@ -291,6 +295,12 @@ def _reduce(x: Tensor, NV: int, group: tuple[int, int] | None = None) -> Tensor:
         H, G = group
         x = x.unflatten(2, (H, G)).sum(3)
     return x
+
+
+def _v_first(state: Tensor, state_v_first: bool) -> Tensor:
+    """A state tensor as the kernel reads it, ``[N, HV, V, K]`` contiguous: as given in the V-first layout, else
+    a transposed copy."""
+    return contiguous(state) if state_v_first else state.transpose(-1, -2).contiguous()
 
 
 def recurrent_bwd(
@@ -334,8 +344,8 @@ def recurrent_bwd(
     if N * HV > 0:
         recurrent_bwd_kernel[(N * HV, NV)](
             contiguous(q), contiguous(k), contiguous(v), contiguous(g), contiguous(beta), contiguous(do),
-            None if dht is None else dht.transpose(-1, -2).contiguous(),
-            None if initial_state is None else initial_state.transpose(-1, -2).contiguous(),
+            None if dht is None else _v_first(dht, opts.state_v_first),
+            None if initial_state is None else _v_first(initial_state, opts.state_v_first),
             dq, dk, dv, dg, dbeta, dh0, dA, ddt, ckpt, scratch,
             cu_seqlens, A_log if has_A else None, dt_bias if has_dt else None,
             scale, 0.0 if opts.lower_bound is None else opts.lower_bound, T, TOT, N, C,
@@ -350,6 +360,7 @@ def recurrent_bwd(
             USE_INITIAL_STATE=initial_state is not None,
             USE_FINAL_STATE_GRADIENT=dht is not None,
             IS_VARLEN=cu_seqlens is not None,
+            STATE_V_FIRST=opts.state_v_first,
             num_warps=num_warps,
         )  # fmt: skip
     return (

@@ -128,7 +128,7 @@ def recurrent_fwd_kernel(
     g,  # [B*T, HV, K]
     beta,  # [B*T, HV]
     o,  # [B*T, HV, V]
-    h0,  # [N, HV, K, V], or the pool [S, HV, K, V] with state indices
+    h0,  # [N, HV, K, V] ([N, HV, V, K] with STATE_V_FIRST), or the pool [S, HV, ...] with state indices
     ht,  # like h0 (the same pool with state indices)
     cu_seqlens,  # [N + 1] or None
     state_indices,  # [N] or None
@@ -156,6 +156,7 @@ def recurrent_fwd_kernel(
     STORE_FINAL_STATE: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     USE_STATE_INDICES: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr,
 ):
     # one grid axis, the value tiles of one state adjacent: the halves of each state row are read and written
     # together (DRAM pages opened once), and the grid is not bounded by the 65535 of the other axes
@@ -187,12 +188,19 @@ def recurrent_fwd_kernel(
         n_tok = tl.where(valid, eos - bos, 0)
         # a padding sequence masks its whole state tile (bounds, not `& valid`: triton 3.9's interpreter rejects
         # a mask made from a tensor and a scalar)
-        m_s = m_k[:, None] & (o_v < tl.where(valid, V, 0))[None, :]
+        m_v_s = o_v < tl.where(valid, V, 0)
     else:
         slot = i_n.to(tl.int64)
         n_tok = eos - bos
-        m_s = m_k[:, None] & m_v[None, :]
-    o_s = (slot * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]
+        m_v_s = m_v
+    # the tile in the states' layout; the registers hold it [BK, BV] either way. STATE_V_FIRST spills 24 B a thread
+    # in the serving step with every option (8 B plain; sm_90, K = V = 128), whether it is addressed [BK, BV] or
+    # read [BV, BK] and transposed in registers
+    if STATE_V_FIRST:
+        o_s = (slot * HV + i_hv) * (K * V) + o_v[None, :] * K + o_k[:, None]
+    else:
+        o_s = (slot * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]
+    m_s = m_k[:, None] & m_v_s[None, :]
 
     b_S = tl.zeros([BK, BV], DT)  # [BK, BV]
     if USE_INITIAL_STATE:
@@ -290,6 +298,7 @@ def _forward_meta(
         STORE_FINAL_STATE=has_ht,
         IS_VARLEN=varlen,
         USE_STATE_INDICES=indexed,
+        STATE_V_FIRST=opts.state_v_first,
         num_warps=num_warps,
     )  # fmt: skip
     return (V + BV - 1) // BV, meta, key
@@ -309,8 +318,9 @@ def recurrent_fwd(
     opts: Options,
     output_final_state: bool,
 ) -> tuple[Tensor, Tensor]:
-    """The kernel of ``kda::recurrent``: ``o [B, T, HV, V]`` in v's dtype, the final state or ``(0,)``."""
-    o, ht = forward_outputs(q, v, cu_seqlens, output_final_state)
+    """The kernel of ``kda::recurrent``: ``o [B, T, HV, V]`` in v's dtype, the final state or ``(0,)``; states in
+    the layout of ``opts.state_v_first``."""
+    o, ht = forward_outputs(q, v, cu_seqlens, output_final_state, opts.state_v_first)
     poison(o, ht)
     h0 = None if initial_state is None else contiguous(initial_state)
     launch_forward(q, k, v, g, beta, o, h0, ht if output_final_state else None, cu_seqlens, None, A_log, dt_bias,
@@ -333,6 +343,8 @@ def recurrent_update(
     opts: Options,
 ) -> Tensor:
     """The kernel of ``kda::recurrent_update_``: updates ``state_pool`` in place at ``state_indices``, returns o.
+    The pool is ``[S, HV, V, K]`` with ``opts.state_v_first`` (read and written in that layout: no transposed copy),
+    else ``[S, HV, K, V]``.
 
     The pool must be contiguous (the public function checks it): a copy would not update the caller's pool.
     Each program reads and writes only its own tile of its own slot, so updating in place is race-free as long
