@@ -90,6 +90,9 @@ def double(x: dict[str, Any]) -> dict[str, Any]:
 CU_STAGES = [0, 5, 5, 70, 71, 128]
 # packed sequences of 5, 0, 65 (a full chunk and one token), 1 and 9 tokens: 6 slots, 5 of them used
 CU_BWD = [0, 5, 5, 70, 71, 80]
+# sequences of 7, 0, 3 and 1 chunks (the last partial): the split scans' segments of 1 to 4 chunks, empty ones at 4
+# segments
+CU_SPLIT = [0, 448, 448, 640, 670]
 # the recurrent kernels: empty sequences inside and at the end; at the start and inside
 CU_RECURRENT = [0, 4, 4, 11, 11]
 CU_RECURRENT_BWD = [0, 0, 9, 9, 14]

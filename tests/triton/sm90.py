@@ -169,7 +169,7 @@ def chunk_variants() -> dict[str, Variant]:
 
     def seg(K: int, V: int, v_first: bool = False) -> dict[str, Any]:
         return dict(MB=F32, h0=F32, Sin=F32, HV=32, NSEG=7, K=K, V=V, BK=K, BV=32, BKC=32, USE_INITIAL_STATE=True,
-                    PREC="ieee", DT=tl.float32, STATE_V_FIRST=v_first)  # fmt: skip
+                    PREC="ieee", DT=tl.float32, STATE_V_FIRST=v_first, REVERSE=False)  # fmt: skip
 
     stage = dict(slot_start=I64, slot_count=I64, lower_bound=0.0, HV=32, BT=64, USE_GATE=True, HAS_A_LOG=True,
                  HAS_DT_BIAS=True, USE_LOWER_BOUND=False, DT=tl.float32)  # fmt: skip
@@ -229,18 +229,20 @@ def chunk_variants() -> dict[str, Variant]:
     }  # fmt: skip
 
 
-def backward_launches(x_dtype: torch.dtype = BF, H: int = 32, D: int = 128, tag: str = "") -> dict[str, Variant]:
+def backward_launches(x_dtype: torch.dtype = BF, H: int = 32, D: int = 128, tag: str = "",
+                      segments: int | None = None) -> dict[str, Variant]:  # fmt: skip
     """Every kernel of the chunk backward as its driver launches it on an H200 (132 SMs) for ``x_dtype`` inputs
     (bf16), ``H`` (32) heads, K = V = ``D`` (128), l2norm, initial state and final-state gradient: the driver runs
     on small CPU tensors with Triton's launch replaced by a recorder, so the variants follow the launchers' own tiles
     and warps. Each belongs to the module that defines its kernel; ``tag`` marks the names of a non-default set. A
-    second run with V-first states adds the kernels that read or write them."""
+    second run with V-first states adds the kernels that read or write them. ``segments``: the scans split so."""
     from triton.runtime.jit import JITFunction
 
     from kda_ops.common import Options
     from kda_ops.testing import make_inputs
     from kda_ops.triton import KERNELS
     from kda_ops.triton.chunk import scan
+    from kda_ops.triton.launch import force_forms
 
     calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
     original = JITFunction.run
@@ -255,9 +257,10 @@ def backward_launches(x_dtype: torch.dtype = BF, H: int = 32, D: int = 128, tag:
         x = make_inputs(1, 128, H, D, D, dtype=x_dtype)
         do = torch.randn(1, 128, H, D, dtype=x_dtype)
         for v_first in (False, True):
-            KERNELS["chunk_bwd"](do, torch.randn(1, H, D, D), x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5,
-                                 torch.zeros(1, H, D, D), None, None, None,
-                                 Options(use_qk_l2norm=True, state_v_first=v_first))  # fmt: skip
+            with force_forms(scan_segments=segments):
+                KERNELS["chunk_bwd"](do, torch.randn(1, H, D, D), x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5,
+                                     torch.zeros(1, H, D, D), None, None, None,
+                                     Options(use_qk_l2norm=True, state_v_first=v_first))  # fmt: skip
     finally:
         JITFunction.run = original  # type: ignore[method-assign]
         scan.num_sms = num_sms  # type: ignore[assignment]
@@ -269,6 +272,7 @@ def backward_launches(x_dtype: torch.dtype = BF, H: int = 32, D: int = 128, tag:
         for n in fn.arg_names[len(args):]:
             a[n] = meta[n]
         flags = "".join(f" {flag}" for flag in ("BLOCKS", "BACKWARD", "STORE_TM", "STATE_V_FIRST") if meta.get(flag))
+        flags += f" PHASE {meta['PHASE']}" if meta.get("PHASE") else ""
         source = fn.__module__.removeprefix("kda_ops.triton.")
         out.setdefault(f"bwd{tag} {fn.__name__}{flags}", (source, fn, a, warps, stages))
     return out
@@ -349,7 +353,8 @@ def recurrent_variants() -> dict[str, Variant]:
 
 TABLES: dict[str, Callable[[], dict[str, Variant]]] = {
     "chunk": lambda: {**chunk_variants(), **backward_launches(), **backward_launches(F16, 4, 256, " fp16 K=V=256 H4"),
-                      **backward_launches(BF, 4, 256, " bf16 K=V=256 H4")},
+                      **backward_launches(BF, 4, 256, " bf16 K=V=256 H4"),
+                      **backward_launches(BF, 4, 128, " split H4", segments=4)},
     "recurrent": recurrent_variants,
 }
 

@@ -108,25 +108,28 @@ def factors(c: dict[str, Any]) -> dict[str, torch.Tensor]:
 N_BWD = len(CU_BWD) - 1
 
 
-def bwd_stage_case(gates: str, H: int = 1, HV: int = 2, K: int = 20, V: int = 12,
-                   device: torch.device = CPU) -> dict[str, Any]:  # fmt: skip
-    """Prepared float64 inputs over the packed batch CU_BWD, the oracle's forward factors and random dO, dht."""
-    x = make_inputs(1, CU_BWD[-1], H, K, V, HV=HV, dtype=F64, seed=5, device=device)
+def bwd_stage_case(gates: str, H: int = 1, HV: int = 2, K: int = 20, V: int = 12, device: torch.device = CPU,
+                   cu_seqlens: list[int] = CU_BWD) -> dict[str, Any]:  # fmt: skip
+    """Prepared float64 inputs over the packed batch ``cu_seqlens`` (CU_BWD), the oracle's forward factors and
+    random dO, dht."""
+    CU = cu_seqlens
+    N = len(CU) - 1
+    x = make_inputs(1, CU[-1], H, K, V, HV=HV, dtype=F64, seed=5, device=device)
     set_gates(x["g"], gates)
     q, k, v, g, beta = (x[n][0] for n in ("q", "k", "v", "g", "beta"))
     q, k = reference.l2norm(q), reference.l2norm(k)
-    cu = torch.tensor(CU_BWD, dtype=torch.int64, device=device)
-    slots = chunk_slots(cu, CU_BWD[-1], BT)
+    cu = torch.tensor(CU, dtype=torch.int64, device=device)
+    slots = chunk_slots(cu, CU[-1], BT)
     qe, ke = q.repeat_interleave(HV // H, 1), k.repeat_interleave(HV // H, 1)
     Mqk, Mkk, Qt, Kend, Gl = oracle_intra(qe, ke, g, beta, 0.4, slots, BT)
     Tm, W, U = oracle_solve(Mkk, ke, v, g, beta, slots, BT)
-    h0 = make_state(N_BWD, HV, K, V, dtype=F64, device=device)
+    h0 = make_state(N, HV, K, V, dtype=F64, device=device)
     Hin, E, _ = oracle_scan(W, U, Kend, Gl, h0, slots, BT)
     gen = torch.Generator().manual_seed(7)
-    dO = torch.randn(CU_BWD[-1], HV, V, generator=gen, dtype=F64).to(device)
-    dht = torch.randn(N_BWD, HV, K, V, generator=gen, dtype=F64).to(device)
+    dO = torch.randn(CU[-1], HV, V, generator=gen, dtype=F64).to(device)
+    dht = torch.randn(N, HV, K, V, generator=gen, dtype=F64).to(device)
     return dict(q=q, k=k, v=v, g=g, beta=beta, cu=cu, slots=slots, Mqk=Mqk, Qt=Qt, Kend=Kend, Gl=Gl, Tm=Tm, W=W,
-                Hin=Hin, E=E, dO=dO, dht=dht, device=device)  # fmt: skip
+                Hin=Hin, E=E, dO=dO, dht=dht, device=device, N=N)  # fmt: skip
 
 
 def f32(c: dict[str, Any], *names: str) -> list[torch.Tensor]:

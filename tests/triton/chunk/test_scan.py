@@ -14,15 +14,13 @@ from kda_ops.testing import assert_rel, make_state  # noqa: E402
 from kda_ops.triton.chunk.scan import chunk_state  # noqa: E402
 from kda_ops.triton.chunk.tiles import BT  # noqa: E402
 from kda_ops.triton.launch import force_forms  # noqa: E402
-from tests.cases import CU_STAGES  # noqa: E402
+from tests.cases import CU_SPLIT, CU_STAGES  # noqa: E402
 from tests.triton.chunk.stages import OVERFLOW_WARNINGS, factors, stage_case, stage_precision, used  # noqa: E402
 from tests.triton.sm90 import check_compiles  # noqa: E402
 
 pytestmark = [*OVERFLOW_WARNINGS, pytest.mark.usefixtures("triton_path")]
 
 
-# sequences of 7, 0, 3 and 1 chunks (the last partial): segments of 1 to 4 chunks, empty ones at 4 segments
-CU_SPLIT = [0, 448, 448, 640, 670]
 # (value tile, segments per sequence, packed batch): CU_STAGES has sequences of 0 to 2 chunks
 SCANS = [(None, None, CU_STAGES), (16, None, CU_STAGES), (None, 3, CU_STAGES), (16, 2, CU_STAGES), (None, 2, CU_SPLIT),
          (None, 4, CU_SPLIT)]  # fmt: skip

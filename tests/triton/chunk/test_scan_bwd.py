@@ -14,21 +14,31 @@ from kda_ops.testing import assert_rel  # noqa: E402
 from kda_ops.triton.chunk.scan_bwd import chunk_bwd_scan  # noqa: E402
 from kda_ops.triton.chunk.tiles import BT  # noqa: E402
 from kda_ops.triton.launch import force_forms  # noqa: E402
-from tests.triton.chunk.stages import N_BWD, OVERFLOW_WARNINGS, bwd_precisions, bwd_stage_case, f32, used  # noqa: E402
+from tests.cases import CU_BWD, CU_SPLIT  # noqa: E402
+from tests.triton.chunk.stages import OVERFLOW_WARNINGS, bwd_precisions, bwd_stage_case, f32, used  # noqa: E402
 from tests.triton.sm90 import check_compiles  # noqa: E402
 
 pytestmark = [*OVERFLOW_WARNINGS, pytest.mark.usefixtures("triton_path")]
 
 
-@pytest.mark.parametrize(("gates", "tiles", "with_dht"), [("normal", None, True), ("reset", 16, False)])
-def test_stage_scan(gates: str, tiles: int | None, with_dht: bool, device: torch.device) -> None:
-    c = bwd_stage_case(gates, V=24, device=device)
+# (gates, value tile, with dht, segments per sequence, packed batch)
+SCANS = [("normal", None, True, None, CU_BWD), ("reset", 16, False, None, CU_BWD), ("normal", None, True, 3, CU_SPLIT),
+         ("normal", 16, False, 4, CU_SPLIT), ("reset", None, True, 2, CU_BWD)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("gates", "tiles", "with_dht", "segments", "cu"), SCANS,
+                         ids=[f"{g}-{t}-{d}-{s}-{len(c)}" for g, t, d, s, c in SCANS])  # fmt: skip
+def test_stage_scan(gates: str, tiles: int | None, with_dht: bool, segments: int | None, cu: list[int],
+                    device: torch.device) -> None:  # fmt: skip
+    """The reverse scan alone, plain or split into ``segments`` per sequence (the split: each segment's map from a
+    zero gradient, combined from the last, each segment finished from the gradient leaving it)."""
+    c = bwd_stage_case(gates, V=24, device=device, cu_seqlens=cu)
     prec, _ = bwd_precisions(device)
     dht = c["dht"] if with_dht else None
     dO, Mqk, Qt, Kend, W, Gl = f32(c, "dO", "Mqk", "Qt", "Kend", "W", "Gl")
-    with force_forms(scan_block_v=tiles):
+    with force_forms(scan_block_v=tiles, scan_segments=segments):
         dE, dSp, dh0 = chunk_bwd_scan(dO, Mqk, Qt, Kend, W, Gl, None if dht is None else dht.float(), c["cu"], prec)
-        ref = oracle_scan_bwd(c["dO"], c["Mqk"], c["Qt"], c["Kend"], c["W"], c["Gl"], dht, c["slots"], BT, N_BWD)
+        ref = oracle_scan_bwd(c["dO"], c["Mqk"], c["Qt"], c["Kend"], c["W"], c["Gl"], dht, c["slots"], BT, c["N"])
         u = used(c["slots"])
         assert dh0 is not None
         assert_rel(dE, ref[0], 1e-5, "dE")

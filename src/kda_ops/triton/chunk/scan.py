@@ -219,11 +219,13 @@ def chunk_state_kernel(
 def segment_states_kernel(
     MB, h0, Sin, HV, NSEG, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr,
-    STATE_V_FIRST: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr, REVERSE: tl.constexpr = False,
 ):  # fmt: skip
     """The state entering each segment, in order: ``S_in[0] = h0``, ``S_in[s + 1] = M[s] S_in[s] + B[s]`` (one
     program per sequence, value head and value tile; ``M S`` in ``BKC``-wide key blocks, ``S`` read back from
-    ``Sin``, which keeps ``[K, V]`` whatever the layout of ``h0``). ``PREC`` exact (``"ieee"``): an empty segment
+    ``Sin``, which keeps ``[K, V]`` whatever the layout of ``h0``). ``REVERSE`` (the backward's reverse scan): the
+    state gradient leaving each segment, from the last: ``S[NSEG - 1] = h0`` (``dht``), ``S[s - 1] = M S[s] + B``
+    with the map of segment ``s`` at ``MB[s - 1]``. ``PREC`` exact (``"ieee"``): an empty segment
     (``M = I``, ``B = 0``: the sequence has fewer chunks than segments) passes its state on unchanged; 3xTF32 would
     round it, for 1% of the forward at B1 T32768 H8 bf16 on an H200 (0.992 against 1.018 ms)."""
     pdl_enter(PDL)
@@ -239,13 +241,19 @@ def segment_states_kernel(
         S = tl.zeros((BK, BV), dtype=DT)
     o_b = tl.arange(0, BKC)
     for s in range(NSEG):
-        tl.store(Sin + ((i_n * NSEG + s) * HV + i_hv) * K * V + p_s, S.to(Sin.dtype.element_ty), mask=m_s)
+        if REVERSE:  # the state at slot st, then the map at mi
+            st = NSEG - 1 - s
+            mi = NSEG - 2 - s
+        else:
+            st = s
+            mi = s
+        tl.store(Sin + ((i_n * NSEG + st) * HV + i_hv) * K * V + p_s, S.to(Sin.dtype.element_ty), mask=m_s)
         if s < NSEG - 1:
-            mb = MB + ((i_n * (NSEG - 1) + s) * HV + i_hv) * K * (V + K)
+            mb = MB + ((i_n * (NSEG - 1) + mi) * HV + i_hv) * K * (V + K)
             S = tl.load(mb + o_k[:, None] * (V + K) + o_v[None, :], mask=m_s, other=0.0).to(DT)
             # the state just stored, visible to every thread of the program
             tl.debug_barrier()
-            sin = Sin + ((i_n * NSEG + s) * HV + i_hv) * K * V
+            sin = Sin + ((i_n * NSEG + st) * HV + i_hv) * K * V
             for kb in range(0, K, BKC):
                 m_b = (kb + o_b) < K
                 Mb = tl.load(mb + o_k[:, None] * (V + K) + V + kb + o_b[None, :], mask=m_k[:, None] & m_b[None, :],
@@ -320,10 +328,8 @@ def chunk_state(
         return Hin, E
     # the split scan: each segment's map (M, B) from a zero state; the state entering each segment, in order; each
     # segment's chunks from that state
-    sdt = state_dtype(Gl)
-    MB = W.new_empty(N * (nseg - 1), HV, K, V + K, dtype=sdt)
-    Sin = W.new_empty(N * nseg, HV, K, V, dtype=sdt)
-    poison(MB, Sin)
+    MB = W.new_empty(N * (nseg - 1), HV, K, V + K, dtype=state_dtype(Gl))
+    poison(MB)
     meta.update(launch("scan_split"))
     _launch_scan(
         (N * (nseg - 1) * HV * (cdiv(V, BV) + cdiv(K, BV)),),
@@ -331,12 +337,7 @@ def chunk_state(
         # no user state in PHASE 1: the K-first kernel serves both layouts
         dict(meta, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, PHASE=1, STATE_V_FIRST=False),
     )
-    _launch_segments(
-        (N * HV * cdiv(V, BV),),
-        (MB, h0, Sin, HV, nseg),
-        dict(K=K, V=V, BK=pow2(K), BV=BV, BKC=min(32, pow2(K)), USE_INITIAL_STATE=h0 is not None, PREC="ieee", DT=DT,
-             STATE_V_FIRST=state_v_first, **launch("segments"), **pdl(W.device)),
-    )  # fmt: skip
+    Sin = segment_states(MB, h0, N, nseg, BV, state_v_first)
     _launch_scan(
         (N * nseg * HV * cdiv(V, BV),),
         (*args, Sin, final, Hin, E, *rest, None, HV, T, nseg),
@@ -345,7 +346,27 @@ def chunk_state(
     return Hin, E
 
 
+def segment_states(
+    MB: Tensor, h0: Tensor | None, N: int, nseg: int, BV: int, state_v_first: bool, reverse: bool = False
+) -> Tensor:
+    """The state at each segment's boundary, ``[N * nseg, HV, K, V]`` (``[K, V]`` whatever the user's layout), from
+    the segments' maps ``MB [N * (nseg - 1), HV, K, V + K]`` (``[B | M]``) and ``h0 [N, HV, K, V]`` (None: zero):
+    entering each segment, or with ``reverse`` the gradient leaving each (:func:`segment_states_kernel`)."""
+    _, HV, K, VK = MB.shape
+    V = VK - K
+    S = MB.new_empty(N * nseg, HV, K, V)
+    poison(S)
+    _launch_segments(
+        (N * HV * cdiv(V, BV),),
+        (MB, h0, S, HV, nseg),
+        dict(K=K, V=V, BK=pow2(K), BV=BV, BKC=min(32, pow2(K)), USE_INITIAL_STATE=h0 is not None, PREC="ieee",
+             DT=compute_dtype(MB), **launch("segments"), **pdl(MB.device), STATE_V_FIRST=state_v_first,
+             REVERSE=reverse),
+    )  # fmt: skip
+    return S
+
+
 _launch_scan = Launcher(chunk_state_kernel)
 _launch_segments = Launcher(segment_states_kernel)
 
-__all__ = ["block_v_choices", "chunk_offsets", "chunk_state", "scan_block_v", "scan_segments"]
+__all__ = ["block_v_choices", "chunk_offsets", "chunk_state", "scan_block_v", "scan_segments", "segment_states"]

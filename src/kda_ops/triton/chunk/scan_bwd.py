@@ -21,10 +21,10 @@ from torch import Tensor
 
 from kda_ops.common import state_shape
 from kda_ops.triton.chunk.precision import exact_bf16
-from kda_ops.triton.chunk.scan import chunk_offsets, scan_block_v
+from kda_ops.triton.chunk.scan import block_v_choices, chunk_offsets, scan_block_v, segment_states
 from kda_ops.triton.chunk.tiles import BT, col_mask, state_offsets, state_tile, store2, tile2
 from kda_ops.triton.lang import mm
-from kda_ops.triton.launch import cdiv, compute_dtype, contiguous, launch, poison, pow2
+from kda_ops.triton.launch import cdiv, compute_dtype, contiguous, forced, launch, poison, pow2
 
 
 @triton.jit
@@ -43,14 +43,23 @@ def chunk_tiles(dO, Mqk, Kend, Qt, W, Gl, tok, m, c, i_hv, HV, o_k, m_k, o_v, m_
 
 @triton.jit
 def chunk_bwd_scan_kernel(
-    dO, Mqk, Qt, Kend, W, Gl, dht, dSp, dE, dh0, cu, chunk_off, HV,
+    dO, Mqk, Qt, Kend, W, Gl, dht, dSp, dE, dh0, cu, chunk_off, MB, HV, NSEG,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     USE_FINAL_STATE_GRADIENT: tl.constexpr, STORE_INITIAL_STATE_GRADIENT: tl.constexpr, PREC: tl.constexpr,
-    PREC_QO: tl.constexpr, DT: tl.constexpr, STATE_V_FIRST: tl.constexpr,
+    PREC_QO: tl.constexpr, DT: tl.constexpr, STATE_V_FIRST: tl.constexpr, PHASE: tl.constexpr,
 ):  # fmt: skip
+    # PHASE 0: whole sequences. The split scan (as the forward's, in reverse: docs/math.md, "Segments"): PHASE 1 the
+    # maps of segments 1.. from a zero gradient (value tiles: B; then the identity's columns over K: M^T), PHASE 2
+    # each segment from the gradient leaving it (segment_states_kernel with REVERSE, read from dht)
+    NV: tl.constexpr = (V + BV - 1) // BV
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n = i_nh // HV
+    if PHASE == 1:
+        NS = NSEG - 1
+    else:
+        NS = NSEG
     i_hv = i_nh % HV
+    i_s = (i_nh // HV) % NS
+    i_n = i_nh // HV // NS
     bos = tl.load(cu + i_n).to(tl.int64)
     eos = tl.load(cu + i_n + 1).to(tl.int64)
     c0 = tl.load(chunk_off + i_n).to(tl.int64)
@@ -58,27 +67,58 @@ def chunk_bwd_scan_kernel(
     m_r = col_mask(rows, BT, BT)
     o_k, m_k, o_v, m_v, m_s, p_s, s_off = state_tile(i_n, i_hv, i_v, HV, K, V, BK, BV)
     p_u = state_offsets(o_k, o_v, K, V, STATE_V_FIRST)  # dht and dh0 in the user's layout; dS' keeps p_s
-    if USE_FINAL_STATE_GRADIENT:
+    nc = tl.cdiv(eos - bos, BT).to(tl.int32)
+    j0 = nc * 0
+    if PHASE != 0:  # the segment's chunks [j0, j0 + nc) of the sequence's
+        if PHASE == 1:
+            seg = i_s + 1
+        else:
+            seg = i_s
+        L = tl.cdiv(nc, NSEG)
+        j0 = tl.minimum(seg * L, nc)
+        nc = tl.minimum(L, nc - j0)
+    m_u = m_v
+    if PHASE == 1:
+        # (o_m < 0 on the value tiles; vector conditions: triton 3.9's interpreter rejects a mask of tensor & scalar)
+        o_m = (i_v - NV) * BV + tl.arange(0, BV)
+        dS = (o_k[:, None] == o_m[None, :]).to(DT)
+        m_u = m_v & (o_m < 0)
+    elif PHASE == 2:
+        dS = tl.load(dht + ((i_n * NSEG + i_s) * HV + i_hv) * K * V + p_s, mask=m_s, other=0.0).to(DT)
+    elif USE_FINAL_STATE_GRADIENT:
         dS = tl.load(dht + s_off + p_u, mask=m_s, other=0.0).to(DT)  # [BK, BV]
     else:
         dS = tl.zeros((BK, BV), dtype=DT)
-    nc = tl.cdiv(eos - bos, BT).to(tl.int32)
     # each chunk's tiles load together (stored dtypes) before the step's stores: a load after the store of dE, which
     # it might alias, would wait for it, a second memory round trip per step. Unlike the forward's scan, no step loads
     # the previous chunk's tiles ahead: that spills 528 B per thread (ptxas, sm_90).
     for jj in range(nc):
-        j = nc - 1 - jj
+        j = j0 + nc - 1 - jj
         c = c0 + j
         tok = bos + j * BT + rows
         m = tok < eos
-        do, A, ke, qt, w, gl = chunk_tiles(dO, Mqk, Kend, Qt, W, Gl, tok, m, c, i_hv, HV, o_k, m_k, o_v, m_v, rows,
+        do, A, ke, qt, w, gl = chunk_tiles(dO, Mqk, Kend, Qt, W, Gl, tok, m, c, i_hv, HV, o_k, m_k, o_v, m_u, rows,
                                            m_r, K, V, BT)  # fmt: skip
-        tl.store(dSp + (c * HV + i_hv) * K * V + p_s, dS.to(dSp.dtype.element_ty), mask=m_s)
+        if PHASE != 1:
+            tl.store(dSp + (c * HV + i_hv) * K * V + p_s, dS.to(dSp.dtype.element_ty), mask=m_s)
         de = mm(ke, dS, PREC, DT) + mm(tl.trans(A), do, PREC, DT)  # [BT, BV]
-        store2(dE + i_hv * V, tok, m, HV * V, o_v, m_v, de)
+        if PHASE != 1:
+            store2(dE + i_hv * V, tok, m, HV * V, o_v, m_v, de)
         dS = dS * tl.exp(gl.to(DT))[:, None] + mm(tl.trans(qt), do, PREC_QO, DT) - mm(tl.trans(w), de, PREC, DT)
-    if STORE_INITIAL_STATE_GRADIENT:
-        tl.store(dh0 + s_off + p_u, dS.to(dh0.dtype.element_ty), mask=m_s)
+    if PHASE == 1:  # [B | M^T] of the segment, [K, V + K]
+        o_c = tl.where(o_m < 0, o_v, V + o_m)
+        m_c = tl.where(o_m < 0, m_v, o_m < K)
+        p = MB + ((i_n * NS + i_s) * HV + i_hv) * K * (V + K) + o_k[:, None] * (V + K) + o_c[None, :]
+        tl.store(p, dS.to(MB.dtype.element_ty), mask=m_k[:, None] & m_c[None, :])
+    elif STORE_INITIAL_STATE_GRADIENT:  # by the first segment
+        tl.store(dh0 + s_off + p_u, dS.to(dh0.dtype.element_ty), mask=m_s & (p_s * 0 + i_s == 0))
+
+
+def reverse_scan_segments() -> int:
+    """Segments per sequence of the reverse scan: as forced (``force_forms(scan_segments=...)``), else 1. The split
+    reverse scan is checked against its oracle under the interpreter but not yet timed on a GPU, so no host rule
+    picks it yet (the forward's is :func:`~kda_ops.triton.chunk.scan.scan_segments`)."""
+    return forced.scan_segments or 1
 
 
 def chunk_bwd_scan(
@@ -118,16 +158,34 @@ def chunk_bwd_scan(
     dSp = dO.new_empty(NC, HV, K, V, dtype=dsp_dtype or dt)
     dh0 = dO.new_empty(state_shape(N, HV, K, V, state_v_first), dtype=dt) if store_dh0 else None
     poison(dE, dSp, dh0)
-    BV = scan_block_v(V, N * HV, dO.device)
     offsets = chunk_offsets(cu) if offsets is None else offsets
-    chunk_bwd_scan_kernel[(cdiv(V, BV), N * HV)](
-        contiguous(dO), contiguous(Mqk), contiguous(Qt), contiguous(Kend), contiguous(W), Gl,
-        None if dht is None else contiguous(dht), dSp, dE, dh0, cu, offsets, HV,
-        K=K, V=V, BK=pow2(K), BV=BV, BT=BT, USE_FINAL_STATE_GRADIENT=dht is not None,
-        STORE_INITIAL_STATE_GRADIENT=store_dh0, PREC=prec,
-        PREC_QO=exact_bf16(prec, Qt, dO), DT=compute_dtype(Gl), STATE_V_FIRST=state_v_first, **launch("scan"),
+    nseg = reverse_scan_segments()
+    BV = scan_block_v(V, N * HV, dO.device) if nseg == 1 else forced.scan_block_v or block_v_choices(V)[-1]
+    args = (contiguous(dO), contiguous(Mqk), contiguous(Qt), contiguous(Kend), contiguous(W), Gl)
+    meta = dict(K=K, V=V, BK=pow2(K), BV=BV, BT=BT, STORE_INITIAL_STATE_GRADIENT=store_dh0, PREC=prec,
+                PREC_QO=exact_bf16(prec, Qt, dO), DT=compute_dtype(Gl), STATE_V_FIRST=state_v_first,
+                **launch("scan"))  # fmt: skip
+    dht_c = None if dht is None else contiguous(dht)
+    if nseg == 1:
+        chunk_bwd_scan_kernel[(cdiv(V, BV), N * HV)](
+            *args, dht_c, dSp, dE, dh0, cu, offsets, None, HV, 1, USE_FINAL_STATE_GRADIENT=dht is not None, PHASE=0,
+            **meta,
+        )  # fmt: skip
+        return dE, dSp, dh0
+    # the split reverse scan: the maps of segments 1.. from a zero gradient; the gradient leaving each segment, from
+    # the last; each segment's chunks from it
+    MB = dO.new_empty(N * (nseg - 1), HV, K, V + K, dtype=dt)
+    poison(MB)
+    meta.update(launch("scan_split"))
+    chunk_bwd_scan_kernel[(cdiv(V, BV) + cdiv(K, BV), N * (nseg - 1) * HV)](
+        *args, None, dSp, dE, None, cu, offsets, MB, HV, nseg, USE_FINAL_STATE_GRADIENT=False, PHASE=1,
+        **dict(meta, STORE_INITIAL_STATE_GRADIENT=False, STATE_V_FIRST=False),
+    )  # fmt: skip
+    Sout = segment_states(MB, dht_c, N, nseg, BV, state_v_first, reverse=True)
+    chunk_bwd_scan_kernel[(cdiv(V, BV), N * nseg * HV)](
+        *args, Sout, dSp, dE, dh0, cu, offsets, None, HV, nseg, USE_FINAL_STATE_GRADIENT=True, PHASE=2, **meta,
     )  # fmt: skip
     return dE, dSp, dh0
 
 
-__all__ = ["chunk_bwd_scan"]
+__all__ = ["chunk_bwd_scan", "reverse_scan_segments"]
