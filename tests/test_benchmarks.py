@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytest.importorskip("triton", reason="the benchmark scripts time Triton kernels")
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
 GPU_SCRIPTS = [name for name in SCRIPTS if name.startswith("bench_")]
