@@ -337,7 +337,7 @@ def chunk_kda(
         ops.run_chunk, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
         use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel,
         allow_neg_eigval, state_v_first, _flag("recompute_in_backward", recompute_in_backward),
-        _flag("return_intermediate_states", return_intermediate_states),
+        want_states,
     )  # fmt: skip
     return (o, final, states[0]) if return_intermediate_states else (o, final)
 

@@ -94,11 +94,14 @@ def scan_segments(N: int, HV: int, T: int, V: int, device: torch.device) -> int:
     return 1 << (n.bit_length() - 1) if n > 1 else 1
 
 
-def scan_block_v(V: int, programs: int, device: torch.device) -> int:
-    """The value tile of the scan: the largest of :func:`block_v_choices` that keeps enough programs."""
+def scan_block_v(V: int, programs: int, device: torch.device, segments: int = 1) -> int:
+    """The value tile of the scan: the largest of :func:`block_v_choices` that keeps enough programs; the smallest
+    for a scan split into ``segments > 1`` (:func:`scan_segments` counts on it)."""
     if forced.scan_block_v is not None:
         return forced.scan_block_v
     choices = block_v_choices(V)
+    if segments > 1:
+        return choices[-1]
     for bv in choices:
         if cdiv(V, bv) * programs >= MIN_PROGRAMS_PER_SM * num_sms(device):
             return bv
@@ -312,7 +315,7 @@ def chunk_state(
     poison(Hin, E)
     offsets = chunk_offsets(cu) if offsets is None else offsets
     nseg = scan_segments(N, HV, T, V, W.device)
-    BV = scan_block_v(V, N * HV, W.device) if nseg == 1 else forced.scan_block_v or block_v_choices(V)[-1]
+    BV = scan_block_v(V, N * HV, W.device, nseg)
     DT = compute_dtype(Gl)
     args = (contiguous(W), contiguous(U), contiguous(Kend), Gl)
     rest = (None if norms is None else norms[1], cu, offsets)

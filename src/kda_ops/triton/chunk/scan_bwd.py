@@ -21,7 +21,7 @@ from torch import Tensor
 
 from kda_ops.common import state_shape
 from kda_ops.triton.chunk.precision import exact_bf16
-from kda_ops.triton.chunk.scan import block_v_choices, chunk_offsets, scan_block_v, segment_states
+from kda_ops.triton.chunk.scan import chunk_offsets, scan_block_v, segment_states
 from kda_ops.triton.chunk.tiles import BT, col_mask, state_offsets, state_tile, store2, tile2
 from kda_ops.triton.lang import mm
 from kda_ops.triton.launch import cdiv, compute_dtype, contiguous, forced, launch, poison, pow2
@@ -160,7 +160,7 @@ def chunk_bwd_scan(
     poison(dE, dSp, dh0)
     offsets = chunk_offsets(cu) if offsets is None else offsets
     nseg = reverse_scan_segments()
-    BV = scan_block_v(V, N * HV, dO.device) if nseg == 1 else forced.scan_block_v or block_v_choices(V)[-1]
+    BV = scan_block_v(V, N * HV, dO.device, nseg)
     args = (contiguous(dO), contiguous(Mqk), contiguous(Qt), contiguous(Kend), contiguous(W), Gl)
     meta = dict(K=K, V=V, BK=pow2(K), BV=BV, BT=BT, STORE_INITIAL_STATE_GRADIENT=store_dh0, PREC=prec,
                 PREC_QO=exact_bf16(prec, Qt, dO), DT=compute_dtype(Gl), STATE_V_FIRST=state_v_first,
