@@ -49,8 +49,7 @@ BACKWARD_MAX_STACK = 256
 # At K = V = 256 (the "K=V=256" sets) the scans hold [256, BV] tiles of three factors: up to 504 B with triton 3.6, 840
 # B with 3.9 (16 warps, half the registers, spill more); there the check is the shared memory's.
 BACKWARD_MAX_STACK_256 = 1024
-# The split scans at 4 warps (the "split" set; the reverse one is picked by no host rule yet): 40-48 B with triton
-# 3.6, 336 B with 3.9.
+# The split scans at 4 warps (the "split" set): 40-48 B with triton 3.6, 336 B with 3.9.
 BACKWARD_MAX_STACK_SPLIT = 512
 # Shared memory of one program on an H200 (bytes): a kernel asking for more fails at launch (OutOfResources).
 SHARED_LIMIT = 232448
