@@ -71,6 +71,27 @@ def test_empty_batch_gives_empty_outputs(backend: str, B: int, T: int, h0: bool)
     assert x["q"].grad is not None and x["q"].grad.shape == x["q"].shape
 
 
+def test_fp64_chunk_beyond_head_dim_128_runs_the_reference(monkeypatch: Any) -> None:
+    """fp64 chunk calls with a head dimension above 128 never reach a Triton kernel (its fp64 tiles exceed an H200's
+    shared memory: the output stage asked 320 KB at K = V = 256), with or without autograd; fp32 calls do."""
+    q = torch.zeros(1, 1, 1, 256, dtype=torch.float64)
+    with ops.cpu_backend("triton"):
+        assert not ops.uses_triton("chunk", q.device, q, q) and not ops.uses_triton("chunk_train", q.device, q, q)
+        assert ops.uses_triton("chunk", q.device, q.float(), q.float())
+        assert ops.uses_triton("chunk", q.device, q[..., :128], q[..., :128])
+
+    def refuse(op: str) -> Any:
+        raise AssertionError(f"Triton kernel {op} called")
+
+    monkeypatch.setattr(ops, "_triton_kernel", refuse)
+    x = {n: t.double().requires_grad_() for n, t in make_inputs(1, 8, 1, 256, 160, seed=0).items()}
+    with ops.cpu_backend("triton"):
+        o, s = kda_ops.chunk_kda(**x, output_final_state=True)
+        (o.sum() + s.sum()).backward()
+    o_ref, s_ref = naive_recurrent_kda(**{n: t.detach() for n, t in x.items()}, output_final_state=True)
+    assert rel_err(o, o_ref) < 1e-10 and rel_err(s, s_ref) < 1e-10
+
+
 def test_oracle_takes_an_empty_batch() -> None:
     o, s = naive_recurrent_kda(**make_inputs(0, 8, 1, 4, 4, HV=2), output_final_state=True)
     assert o.shape == (0, 8, 2, 4) and s is not None and s.shape == (0, 2, 4, 4)

@@ -96,9 +96,18 @@ def cpu_backend(name: str) -> Iterator[None]:
         _cpu_backend = old
 
 
-def uses_triton(op: str, device: torch.device) -> bool:
-    """Whether ``torch.ops.kda.<op>`` runs its Triton kernel for tensors on ``device`` (else the reference)."""
+# fp64 chunk kernels hold their tiles in shared memory at 8 bytes an element: beyond head dimension 128 the output
+# stage alone asks 320 KB of an H200's 227 KB (K = V = 256), so those calls run the reference on every device.
+FP64_CHUNK_MAX_DIM = 128
+
+
+def uses_triton(op: str, device: torch.device, q: Optional[Tensor] = None, v: Optional[Tensor] = None) -> bool:
+    """Whether ``torch.ops.kda.<op>`` runs its Triton kernel for tensors on ``device`` (else the reference); with
+    ``q`` and ``v``, for those inputs (fp64 chunk calls above :data:`FP64_CHUNK_MAX_DIM` run the reference)."""
     if op not in TRITON_KERNELS:
+        return False
+    if (op.startswith("chunk") and q is not None and v is not None and q.dtype == torch.float64
+            and max(q.shape[-1], v.shape[-1]) > FP64_CHUNK_MAX_DIM):  # fmt: skip
         return False
     return device.type == "cuda" or (device.type == "cpu" and _cpu_backend == "triton")
 
@@ -215,7 +224,7 @@ def _forward(op: str, ref: Callable[..., tuple[Tensor, ...]], states: bool = Fal
             lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
             state_v_first,
         )  # fmt: skip
-        kernel = _triton_kernel(op) if uses_triton(op, q.device) else ref
+        kernel = _triton_kernel(op) if uses_triton(op, q.device, q, v) else ref
         return kernel(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts, output_final_state)
 
     def fake(
@@ -282,7 +291,7 @@ def _backward(op: str, ref: Callable[..., tuple[Optional[Tensor], ...]]) -> Any:
             lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
             state_v_first,
         )  # fmt: skip
-        kernel = _triton_kernel(op) if uses_triton(op, q.device) else ref
+        kernel = _triton_kernel(op) if uses_triton(op, q.device, q, v) else ref
         grads = kernel(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts)
         # a fresh empty tensor each: outputs of a custom op may not alias one another
         return tuple(q.new_empty(0) if x is None else x for x in grads)  # type: ignore[return-value]
@@ -498,7 +507,7 @@ def _recurrent_update_impl(
         state_v_first,
     )  # fmt: skip
     op = "recurrent_update_"
-    kernel = _triton_kernel(op) if uses_triton(op, q.device) else reference.recurrent_update
+    kernel = _triton_kernel(op) if uses_triton(op, q.device, q, v) else reference.recurrent_update
     torch.autograd.graph.increment_version(state_pool)
     o: Tensor = kernel(q, k, v, g, beta, state_pool, state_indices, scale, cu_seqlens, A_log, dt_bias, opts)
     return o
@@ -687,7 +696,7 @@ def run_chunk(
     op = chunk
     if return_intermediate_states:
         op = chunk_states
-    elif not recompute_in_backward and trains(*tensors) and uses_triton("chunk_train", q.device):
+    elif not recompute_in_backward and trains(*tensors) and uses_triton("chunk_train", q.device, q, v):
         op = chunk_train
     fn = _direct(op, tensors) or op
     o, final, *_kept = fn(
