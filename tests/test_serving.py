@@ -127,6 +127,91 @@ def test_decode_loop_equals_one_call(backend: str) -> None:
     torch.testing.assert_close(p[slots], s_ref, rtol=1e-5, atol=1e-6)
 
 
+# ------------------------------------------------------------------------------------- speculative verify
+
+
+def _prefix_states(x: dict[str, Any], h0: torch.Tensor, n_tok: int) -> list[torch.Tensor]:
+    """The states of every sequence of the dense batch ``x`` after each of its first ``n_tok`` tokens, from ``h0``
+    (each from ``recurrent_kda`` on that prefix alone)."""
+    out = []
+    for t in range(1, n_tok + 1):
+        _, s = kda_ops.recurrent_kda(**{n: v[:, :t] for n, v in x.items()}, initial_state=h0,
+                                     output_final_state=True)  # fmt: skip
+        assert s is not None
+        out.append(s)
+    return out
+
+
+def test_speculative_step_writes_each_token_state_and_resumes_from_the_accepted(backend: str) -> None:
+    """2-D slots: the state after each draft token lands in its own slot, -1 columns are skipped, padding rows are
+    zeros; the next step from ``num_accepted_tokens`` equals running only the accepted tokens then the new ones."""
+    B, Ts, S2 = 3, 3, 12
+    x = make_inputs(B, Ts, H, K, V, HV=HV, seed=1)
+    pool = make_state(S2, HV, K, V)
+    idx = torch.tensor([[0, 1, 2], [3, -1, 5], [-1, 7, 8]])  # the last sequence is padding (first slot -1)
+    p = pool.clone()
+    o = kda_ops.recurrent_kda_update_(**x, state_pool=p, state_indices=idx)
+    h0 = pool[idx[:, 0].clamp(min=0)]
+    o_ref, _ = kda_ops.recurrent_kda(**x, initial_state=h0)
+    torch.testing.assert_close(o[:2], o_ref[:2], rtol=1e-5, atol=1e-6)
+    assert torch.equal(o[2], torch.zeros_like(o[2]))
+    states = _prefix_states(x, h0, Ts)
+    expect = pool.clone()
+    for n in range(2):
+        for t in range(Ts):
+            if idx[n, t] >= 0:
+                expect[idx[n, t]] = states[t][n]
+    torch.testing.assert_close(p, expect, rtol=1e-5, atol=1e-6)
+    # the next verify step resumes each sequence after its accepted drafts
+    accepted = torch.tensor([2, 3, 1])
+    nxt = make_inputs(B, 2, H, K, V, HV=HV, seed=2)
+    q = p.clone()
+    idx_next = torch.tensor([[0, 1, 2, 9], [3, -1, 5, 11], [6, 7, 8, 10]])  # T_spec 4 > 2 tokens
+    o2 = kda_ops.recurrent_kda_update_(**nxt, state_pool=q, state_indices=idx_next, num_accepted_tokens=accepted)
+    starts = torch.stack([p[idx_next[n, int(accepted[n]) - 1]] for n in range(2)] + [p[6]])
+    o2_ref, s2_ref = kda_ops.recurrent_kda(**nxt, initial_state=starts, output_final_state=True)
+    torch.testing.assert_close(o2[:2], o2_ref[:2], rtol=1e-5, atol=1e-6)
+    assert s2_ref is not None
+    # sequence 0 (accepted 2: started from slot 1) wrote its two new states to slots 0 and 1
+    _, s_first = kda_ops.recurrent_kda(**{n: v[:1, :1] for n, v in nxt.items()}, initial_state=starts[:1],
+                                       output_final_state=True)  # fmt: skip
+    assert s_first is not None
+    torch.testing.assert_close(q[0], s_first[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(q[1], s2_ref[0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(q[9], p[9]) and torch.equal(q[10], p[10])  # columns past its 2 tokens: untouched
+
+
+def test_speculative_step_varlen_equals_the_dense_one(backend: str) -> None:
+    """Packed rows of 3 and 1 tokens with 2-D slots: outputs and written states as the dense per-sequence calls."""
+    x = make_inputs(1, 4, H, K, V, HV=HV, seed=3)
+    cu = torch.tensor([0, 3, 4])
+    pool = make_state(10, HV, K, V)
+    idx = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    acc = torch.tensor([2, 1])
+    p = pool.clone()
+    o = kda_ops.recurrent_kda_update_(**x, state_pool=p, state_indices=idx, cu_seqlens=cu, num_accepted_tokens=acc)
+    for n, (b, e) in enumerate([(0, 3), (3, 4)]):
+        xs = {k_: t[:, b:e] for k_, t in x.items()}
+        h0 = pool[idx[n, int(acc[n]) - 1]][None]
+        o_ref, _ = kda_ops.recurrent_kda(**xs, initial_state=h0)
+        torch.testing.assert_close(o[:, b:e], o_ref, rtol=1e-5, atol=1e-6)
+        for t, st in enumerate(_prefix_states(xs, h0, e - b)):
+            torch.testing.assert_close(p[idx[n, t]], st[0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(p[4], pool[4]) and torch.equal(p[5], pool[5])  # sequence 1 has one token
+    assert torch.equal(p[6:], pool[6:])
+
+
+def test_verify_without_writing_states_leaves_the_pool_bit_for_bit(backend: str) -> None:
+    x = make_inputs(2, 3, H, K, V, HV=HV, seed=4)
+    pool = make_state(S, HV, K, V)
+    for idx in (torch.tensor([4, 1]), torch.tensor([[4, 0, 2], [1, 3, 5]])):
+        p = pool.clone()
+        o = kda_ops.recurrent_kda_update_(**x, state_pool=p, state_indices=idx, write_states=False)
+        o_ref, _ = kda_ops.recurrent_kda(**x, initial_state=pool[idx if idx.dim() == 1 else idx[:, 0]])
+        torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-6)
+        assert torch.equal(p, pool)
+
+
 def test_opcheck() -> None:
     x = make_inputs(3, 1, H, K, V, HV=HV)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], make_state(S, HV, K, V), torch.tensor([4, -1, 0]),
@@ -137,6 +222,11 @@ def test_opcheck() -> None:
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], make_state(S, HV, K, V), torch.tensor([4, -1, 0]),
             K**-0.5, cu, None, None, None, False, False, False, False)  # fmt: skip
     torch.library.opcheck(torch.ops.kda.recurrent_update_.default, args)
+    x = make_inputs(2, 2, H, K, V, HV=HV)
+    for write in (True, False):
+        args = (x["q"], x["k"], x["v"], x["g"], x["beta"], make_state(S, HV, K, V), torch.tensor([[4, 1], [0, -1]]),
+                K**-0.5, None, None, None, None, False, False, False, False, False, torch.tensor([2, 1]), write)
+        torch.library.opcheck(torch.ops.kda.recurrent_update_.default, args)
 
 
 def test_compiled_decode_step_updates_the_pool_without_a_copy() -> None:
@@ -195,6 +285,14 @@ def _call(**over: Any) -> Any:
         ({"state_indices": torch.tensor([3, 3])}, ValueError, "state_indices"),
         ({"state_indices": torch.tensor([0, 1], device="meta")}, ValueError, "state_indices"),
         ({"beta": torch.rand(2, 1, HV + 1)}, ValueError, "beta"),
+        ({"state_indices": torch.tensor([[0], [1], [2]])}, ValueError, "state_indices"),
+        ({"state_indices": torch.tensor([[0, 1], [1, 2]])}, ValueError, "state_indices"),
+        ({"num_accepted_tokens": torch.tensor([1, 1])}, ValueError, "num_accepted_tokens"),
+        ({"state_indices": torch.tensor([[0, 1], [2, 3]]), "num_accepted_tokens": torch.tensor([1, 3])}, ValueError,
+         "num_accepted_tokens"),
+        ({"state_indices": torch.tensor([[0, 1], [2, 3]]), "num_accepted_tokens": torch.tensor([1.0, 2.0])},
+         TypeError, "num_accepted_tokens"),
+        ({"write_states": "no"}, TypeError, "write_states"),
     ],
 )
 def test_validation_names_the_argument(over: dict[str, Any], exc: type[Exception], name: str) -> None:

@@ -371,9 +371,16 @@ def recurrent_kda(
 
 
 def _validate_pool(
-    q: Tensor, v: Tensor, state_pool: Tensor, state_indices: Tensor, cu_seqlens: Tensor | None, state_v_first: bool
+    q: Tensor,
+    v: Tensor,
+    state_pool: Tensor,
+    state_indices: Tensor,
+    cu_seqlens: Tensor | None,
+    state_v_first: bool,
+    num_accepted_tokens: Tensor | None = None,
 ) -> None:
-    """Check the serving step's pool and slot indices (after :func:`_validate` checked the rest)."""
+    """Check the serving step's pool, slot indices and accepted counts (after :func:`_validate` checked the
+    rest)."""
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     N = num_sequences(q, cu_seqlens)
     check_float("state_pool", state_pool)
@@ -391,19 +398,43 @@ def _validate_pool(
         _fail(TypeError, "state_indices", "a torch.Tensor", type(state_indices).__name__)
     if state_indices.dtype not in (torch.int32, torch.int64):
         _fail(TypeError, "state_indices", "an int32 or int64 tensor", state_indices.dtype)
-    _check_shape("state_indices", state_indices, (N,), "[N] (one slot per sequence)")
-    for name, x in (("state_pool", state_pool), ("state_indices", state_indices)):
+    if state_indices.dim() == 2:
+        if state_indices.shape[0] != N or state_indices.shape[1] == 0:
+            _fail(ValueError, "state_indices", f"[N] or [N, T_spec] with N = {N} and T_spec >= 1",
+                  list(state_indices.shape))  # fmt: skip
+        if cu_seqlens is None and q.shape[1] > state_indices.shape[1]:
+            _fail(ValueError, "state_indices", f"[N, T_spec] with T_spec >= T = {q.shape[1]} (a slot per token)",
+                  list(state_indices.shape))  # fmt: skip
+    else:
+        _check_shape("state_indices", state_indices, (N,), "[N] (one slot per sequence) or [N, T_spec]")
+    tensors = [("state_pool", state_pool), ("state_indices", state_indices)]
+    if num_accepted_tokens is not None:
+        if not isinstance(num_accepted_tokens, Tensor):
+            _fail(TypeError, "num_accepted_tokens", "a torch.Tensor", type(num_accepted_tokens).__name__)
+        if num_accepted_tokens.dtype not in (torch.int32, torch.int64):
+            _fail(TypeError, "num_accepted_tokens", "an int32 or int64 tensor", num_accepted_tokens.dtype)
+        if state_indices.dim() != 2:
+            _fail(ValueError, "num_accepted_tokens", "None unless state_indices is [N, T_spec]", "a tensor")
+        _check_shape("num_accepted_tokens", num_accepted_tokens, (N,), "[N] (accepted tokens per sequence)")
+        tensors.append(("num_accepted_tokens", num_accepted_tokens))
+    for name, x in tensors:
         if x.device != q.device:
             _fail(ValueError, name, f"a tensor on q's device {q.device}", x.device)
     on_cpu = state_indices.device.type == "cpu" and not torch.compiler.is_compiling()
     if on_cpu or checks.active(state_indices):
-        idx = state_indices.tolist()  # sync-ok: a CPU tensor in eager mode, or the checked mode
+        idx = state_indices.flatten().tolist()  # sync-ok: a CPU tensor in eager mode, or the checked mode
         S = state_pool.shape[0]
         if any(i < -1 or i >= S for i in idx):
-            _fail(ValueError, "state_indices", f"slots in [0, {S}) or -1 (padding)", idx)
+            _fail(ValueError, "state_indices", f"slots in [0, {S}) or -1 (padding)", state_indices.tolist())
         used = [i for i in idx if i >= 0]
         if len(set(used)) != len(used):
-            _fail(ValueError, "state_indices", "distinct slots (two sequences cannot update one state)", idx)
+            _fail(ValueError, "state_indices", "distinct slots (two writes cannot share one state)",
+                  state_indices.tolist())  # fmt: skip
+        if num_accepted_tokens is not None:
+            acc = num_accepted_tokens.tolist()  # sync-ok: as above
+            W = state_indices.shape[1]
+            if any(a < 1 or a > W for a in acc):
+                _fail(ValueError, "num_accepted_tokens", f"counts in [1, T_spec = {W}]", acc)
 
 
 def recurrent_kda_update_(
@@ -425,6 +456,8 @@ def recurrent_kda_update_(
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
     state_v_first: bool = False,
+    num_accepted_tokens: Tensor | None = None,
+    write_states: bool = True,
 ) -> Tensor:
     """The serving step: KDA token by token, from and back into a pool of states, in place. Not differentiable.
 
@@ -440,10 +473,18 @@ def recurrent_kda_update_(
         state_pool: ``[S, HV, K, V]`` float32 (float64 for checks), contiguous; updated in place. ``[S, HV, V, K]``
             with ``state_v_first`` (the layout of vLLM's and SGLang's pools), read and written in that layout, in
             place: no transposed copy.
-        state_indices: ``[N]`` int32/int64, one slot per sequence (N = B, or ``len(cu_seqlens) - 1``), distinct
-            except for -1 (padding). Values are checked only on the CPU in eager mode; on a GPU they are the
+        state_indices: ``[N]`` int32/int64, one slot per sequence (N = B, or ``len(cu_seqlens) - 1``), or
+            ``[N, T_spec]`` (a slot per draft token: see ``num_accepted_tokens``); distinct except for -1
+            (padding). Values are checked only on the CPU in eager mode; on a GPU they are the
             caller's contract (any slot outside ``[0, S)`` is treated as padding; repeated slots race).
         state_v_first: the pool's layout, ``[S, HV, V, K]`` (True) or ``[S, HV, K, V]`` (False, the default).
+        num_accepted_tokens: ``[N]`` int32/int64, only with ``state_indices [N, T_spec]`` (speculative decoding):
+            sequence ``n`` starts from slot ``state_indices[n, num_accepted_tokens[n] - 1]``, the state after the
+            draft tokens the previous step accepted; without it from ``state_indices[n, 0]``. With 2-D indices the
+            state after the ``t``-th token of sequence ``n`` is written to slot ``state_indices[n, t]`` (-1: not
+            written); tokens past column ``T_spec - 1`` write nothing. A count outside ``[1, T_spec]``, or a first
+            slot of -1, makes the sequence padding.
+        write_states: False: read the pool and write no state at all (a verify step whose outputs alone are kept).
 
     Returns:
         o: ``[B, T, HV, V]`` in v's dtype.
@@ -454,15 +495,16 @@ def recurrent_kda_update_(
     check_flags(
         ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel), ("use_gate_in_kernel", use_gate_in_kernel),
         ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel), ("allow_neg_eigval", allow_neg_eigval),
-        ("state_v_first", state_v_first),
+        ("state_v_first", state_v_first), ("write_states", write_states),
     )  # fmt: skip
     s, bound = _validate(q, k, v, g, beta, scale, None, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound)
-    _validate_pool(q, v, state_pool, state_indices, cu_seqlens, state_v_first)
+    _validate_pool(q, v, state_pool, state_indices, cu_seqlens, state_v_first, num_accepted_tokens)
     if checks.active(g):
         checks.check_gate_and_beta(g, beta, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     return ops.run_update(
         q, k, v, g, beta, state_pool, state_indices, s, cu_seqlens, A_log, dt_bias, bound, use_qk_l2norm_in_kernel,
-        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
+        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, num_accepted_tokens,
+        write_states,
     )  # fmt: skip
 
 

@@ -31,9 +31,13 @@ Schemas (``torch.ops.kda.*``)::
     recurrent_update_(q, k, v, g, beta, Tensor(a!) state_pool, Tensor state_indices, float scale,
                       Tensor? cu_seqlens, Tensor? A_log, Tensor? dt_bias, float? lower_bound,
                       bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel,
-                      bool allow_neg_eigval, bool state_v_first=False) -> Tensor o
+                      bool allow_neg_eigval, bool state_v_first=False, Tensor? num_accepted_tokens=None,
+                      bool write_states=True) -> Tensor o
         the serving step: reads and writes state_pool [S, HV, K, V] in place at state_indices [N] (-1: padding);
-        defined with Library.define rather than custom_op (eager overhead, see its section), not differentiable
+        with state_indices [N, T_spec] (speculative verify) it starts sequence n from slot
+        state_indices[n, num_accepted_tokens[n] - 1] (column 0 without num_accepted_tokens) and writes the state
+        after its t-th token to slot state_indices[n, t]; write_states=False writes no state. Defined with
+        Library.define rather than custom_op (eager overhead, see its section), not differentiable
     state_v_first (every op with a state): the states in and out, their gradients and the pool are [N, HV, V, K]
         (the layout of vLLM's and SGLang's pools) instead of [N, HV, K, V]; the kernels read and write that layout
         in place, the reference transposes at its boundary
@@ -479,7 +483,8 @@ _lib.define(
     "recurrent_update_(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state_pool, "
     "Tensor state_indices, float scale, Tensor? cu_seqlens, Tensor? A_log, Tensor? dt_bias, float? lower_bound, "
     "bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, "
-    "bool allow_neg_eigval, bool state_v_first=False) -> Tensor"
+    "bool allow_neg_eigval, bool state_v_first=False, Tensor? num_accepted_tokens=None, bool write_states=True) "
+    "-> Tensor"
 )
 
 
@@ -501,15 +506,18 @@ def _recurrent_update_impl(
     use_beta_sigmoid_in_kernel: bool,
     allow_neg_eigval: bool,
     state_v_first: bool = False,
+    num_accepted_tokens: Optional[Tensor] = None,
+    write_states: bool = True,
 ) -> Tensor:
     opts = _options(
         lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
         state_v_first,
     )  # fmt: skip
     op = "recurrent_update_"
-    kernel = _triton_kernel(op) if uses_triton(op, q.device, q, v) else reference.recurrent_update
+    kernel = _triton_kernel(op) if uses_triton(op, q.device) else reference.recurrent_update
     torch.autograd.graph.increment_version(state_pool)
-    o: Tensor = kernel(q, k, v, g, beta, state_pool, state_indices, scale, cu_seqlens, A_log, dt_bias, opts)
+    o: Tensor = kernel(q, k, v, g, beta, state_pool, state_indices, scale, cu_seqlens, A_log, dt_bias, opts,
+                       num_accepted_tokens, write_states)  # fmt: skip
     return o
 
 
@@ -754,13 +762,17 @@ def run_update(
     use_beta_sigmoid_in_kernel: bool,
     allow_neg_eigval: bool,
     state_v_first: bool = False,
+    num_accepted_tokens: Optional[Tensor] = None,
+    write_states: bool = True,
 ) -> Tensor:
     """``kda::recurrent_update_`` on validated arguments: the pool updated in place; ``o``."""
     op = recurrent_update_
-    fn = _direct(op, (q, k, v, g, beta, state_pool, state_indices, cu_seqlens, A_log, dt_bias)) or op
+    tensors = (q, k, v, g, beta, state_pool, state_indices, cu_seqlens, A_log, dt_bias, num_accepted_tokens)
+    fn = _direct(op, tensors) or op
     o: Tensor = fn(
         q, k, v, g, beta, state_pool, state_indices, scale, cu_seqlens, A_log, dt_bias, lower_bound,
         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
+        num_accepted_tokens, write_states,
     )  # fmt: skip
     return o
 

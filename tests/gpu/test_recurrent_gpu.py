@@ -234,6 +234,51 @@ def test_serving_cuda_graph_decode_loop(varlen: bool) -> None:
     assert not torch.equal(pool_graph, pool0)
 
 
+def test_speculative_verify_matches_the_cpu_kernel_and_replays() -> None:
+    """B = 64, H = 32, K = V = 128, 4 draft tokens per sequence, 2-D slots with num_accepted_tokens: outputs and the
+    pool as the CPU reference kernel gives them; a CUDA-graph replay equal to eager, bit for bit; with
+    write_states=False the pool untouched."""
+    N, H, K, V, Ts = 64, 32, 128, 128, 4
+    S = N * Ts + 8
+    x = _decode_inputs(N, H, H, K, V, Ts, seed=3)
+    params = make_inputs(1, 1, H, K, V, dtype=BF16, device=DEV, gate_in_kernel=True)
+    opts = {**SERVE_OPTS, "A_log": params["A_log"], "dt_bias": params["dt_bias"]}
+    pool = make_state(S, H, K, V, device=DEV)
+    idx = torch.randperm(S, device=DEV)[: N * Ts].view(N, Ts).to(torch.int32)
+    idx[3, 2] = -1
+    idx[7, 0] = -1  # with one accepted: a padding sequence
+    acc = torch.randint(1, Ts + 1, (N,), device=DEV, dtype=torch.int32)
+    acc[7] = 1
+    p = pool.clone()
+    with checked():
+        o = kda_ops.recurrent_kda_update_(**x, state_pool=p, state_indices=idx, num_accepted_tokens=acc, **opts)
+    p_cpu = pool.cpu()
+    with ops.cpu_backend("reference"):
+        o_cpu = kda_ops.recurrent_kda_update_(**{n: t.cpu() for n, t in x.items()}, state_pool=p_cpu,
+                                              state_indices=idx.cpu(), num_accepted_tokens=acc.cpu(),
+                                              **{n: t.cpu() if isinstance(t, torch.Tensor) else t
+                                                 for n, t in opts.items()})  # fmt: skip
+    assert rel_err(o.float().cpu(), o_cpu.float()) <= TOL[BF16] and torch.equal(o[7], torch.zeros_like(o[7]))
+    assert rel_err(p.cpu(), p_cpu) <= 1e-5
+    graph_pool, eager_pool = pool.clone(), pool.clone()
+    kda_ops.recurrent_kda_update_(**x, state_pool=pool.clone(), state_indices=idx, num_accepted_tokens=acc,
+                                  **opts)  # fmt: skip
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_g = kda_ops.recurrent_kda_update_(**x, state_pool=graph_pool, state_indices=idx, num_accepted_tokens=acc,
+                                            **opts)  # fmt: skip
+    graph.replay()
+    o_e = kda_ops.recurrent_kda_update_(**x, state_pool=eager_pool, state_indices=idx, num_accepted_tokens=acc,
+                                        **opts)  # fmt: skip
+    assert torch.equal(o_g, o_e) and torch.equal(graph_pool, eager_pool)
+    q = pool.clone()
+    with checked():
+        o_r = kda_ops.recurrent_kda_update_(**x, state_pool=q, state_indices=idx, num_accepted_tokens=acc,
+                                            write_states=False, **opts)  # fmt: skip
+    assert torch.equal(q, pool) and torch.equal(o_r, o)
+
+
 def test_serving_compiled_fullgraph_in_place() -> None:
     """torch.compile(fullgraph=True) of a decode step on the GPU: the pool is updated in place, equal to eager."""
     N, H, K, V, S = 16, 2, 128, 128, 32

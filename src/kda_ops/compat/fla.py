@@ -15,7 +15,7 @@ onto :func:`kda_ops.chunk_kda`, :func:`kda_ops.recurrent_kda` and :func:`kda_ops
 - options that would change the result and that kda-ops does not have raise ``NotImplementedError`` naming them:
   ``cp_context``; in ``fused_recurrent_kda``
   ``ssm_state_indices`` and ``num_accepted_tokens`` (a pool of states: :func:`kda_ops.recurrent_kda_update_`
-  serves one slot per sequence) and a per-channel ``beta [B, T, HV, V]``;
+  takes them as ``state_indices`` and ``num_accepted_tokens``) and a per-channel ``beta [B, T, HV, V]``;
 - ``return_intermediate_states=True`` returns ``(o, final_state, h)``; packed, ``h`` is the peer's ``[1, NT, ...]``
   when ``cu_seqlens_cpu`` is given, else kda-ops' static ``[1, cdiv(T, 64) + N, ...]`` whose first NT are those;
 - as in the peer, ``A_log``, ``dt_bias`` and ``lower_bound`` are ignored unless ``use_gate_in_kernel=True``, and
@@ -163,7 +163,8 @@ def fused_recurrent_kda(
     state_v_first = _state_v_first(state_v_first, kwargs, "fused_recurrent_kda")
     for option in ("ssm_state_indices", "num_accepted_tokens"):
         if kwargs.pop(option, None) is not None:
-            _refuse(option, "a state pool read through indices (kda_ops.recurrent_kda_update_ takes one slot each)")
+            _refuse(option, "a state pool read through indices (kda_ops.recurrent_kda_update_ takes them as "
+                    "state_indices and num_accepted_tokens)")
     _no_other_keywords("fused_recurrent_kda", kwargs)
     if isinstance(beta, Tensor) and isinstance(v, Tensor) and beta.dim() == v.dim() == 4:
         _refuse("beta", "a per-channel beta [B, T, HV, V]")

@@ -102,9 +102,15 @@ def recurrent_update(
     A_log: Tensor | None,
     dt_bias: Tensor | None,
     opts: Options,
+    num_accepted_tokens: Tensor | None = None,
+    write_states: bool = True,
 ) -> Tensor:
     """Returns ``o [B, T, HV, V]`` (v's dtype); updates ``state_pool [S, HV, K, V]`` (``[S, HV, V, K]`` with
-    ``opts.state_v_first``) at ``state_indices [N]``."""
+    ``opts.state_v_first``) at ``state_indices [N]`` (nothing with ``write_states=False``), or per token at
+    ``state_indices [N, T_spec]`` (:func:`speculative_update`)."""
+    if state_indices.dim() == 2:
+        return speculative_update(q, k, v, g, beta, state_pool, state_indices, scale, cu_seqlens, A_log, dt_bias,
+                                  opts, num_accepted_tokens, write_states)  # fmt: skip
     B, T = q.shape[:2]
     S = state_pool.shape[0]
     idx = state_indices.to(torch.int64)
@@ -124,10 +130,62 @@ def recurrent_update(
     # One sequence at a time: a padding sequence rewrites its (clamped) slot with that slot's current value, so
     # it can never undo the update of a valid sequence that shares the slot.
     final = final.to(state_pool.dtype)
-    for n in range(slot.shape[0]):
+    for n in range(slot.shape[0] if write_states else 0):
         cur = state_pool.index_select(0, slot[n : n + 1])
         state_pool.index_copy_(0, slot[n : n + 1], torch.where(valid[n], final[n : n + 1], cur))
     return o
 
 
-__all__ = ["recurrent_fwd", "recurrent_update"]
+def speculative_update(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    state_indices: Tensor,
+    scale: float,
+    cu_seqlens: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    opts: Options,
+    num_accepted_tokens: Tensor | None,
+    write_states: bool,
+) -> Tensor:
+    """The speculative verify step: sequence ``n`` starts from slot ``state_indices[n, a_n - 1]`` (``a_n =
+    num_accepted_tokens[n]``; column 0 without it) and the state after its ``t``-th token goes to slot
+    ``state_indices[n, t]`` (none past column ``T_spec - 1``, none for a slot outside ``[0, S)``, none at all
+    without ``write_states``). A sequence whose first slot or ``a_n`` is out of range is padding: zero output rows.
+    Every initial state is read before any is written. Token by token through :func:`recurrent_fwd`, reading the
+    slots on the host: the CPU kernel (the Triton kernel reads them on the device)."""
+    B, T = q.shape[:2]
+    S = state_pool.shape[0]
+    N, W = state_indices.shape
+    idx = state_indices.to(torch.int64)
+    col = torch.zeros_like(idx[:, 0]) if num_accepted_tokens is None else num_accepted_tokens.to(torch.int64) - 1
+    first = idx.gather(1, col.clamp(0, max(W - 1, 0))[:, None])[:, 0] if W > 0 else torch.full_like(col, -1)
+    valid = (col >= 0) & (col < W) & (first >= 0) & (first < S)
+    h0 = state_pool.index_select(0, torch.where(valid, first, torch.zeros_like(first)))
+    o = torch.zeros(*v.shape[:3], v.shape[3], dtype=v.dtype, device=v.device)
+    if cu_seqlens is None:
+        rows = [(n, 0, T) for n in range(N)]
+    else:
+        cu = sanitize_cu_seqlens(cu_seqlens, T).tolist()  # sync-ok: the CPU kernel of the op
+        rows = [(0, cu[n], cu[n + 1]) for n in range(N)]
+    slots = idx.tolist()  # sync-ok: as above
+    for n, ok in enumerate(valid.tolist()):  # sync-ok: as above
+        if not ok:
+            continue
+        b, bos, eos = rows[n]
+        h = h0[n : n + 1]
+        for t in range(eos - bos):
+            tok = slice(bos + t, bos + t + 1)
+            o_t, h = recurrent_fwd(q[b : b + 1, tok], k[b : b + 1, tok], v[b : b + 1, tok], g[b : b + 1, tok],
+                                   beta[b : b + 1, tok], scale, h, None, A_log, dt_bias, opts, True)  # fmt: skip
+            o[b, bos + t] = o_t[0, 0]
+            if write_states and t < W and 0 <= slots[n][t] < S:
+                state_pool[slots[n][t]] = h[0].to(state_pool.dtype)
+    return o
+
+
+__all__ = ["recurrent_fwd", "recurrent_update", "speculative_update"]

@@ -120,7 +120,7 @@ def token_transform(xq, xk, xg, xb, b_a, b_dt, scale, lower_bound, DT: tl.conste
 # T == 1 (a decode step), for T divisible by 16 and for any other T (a 3-token speculative step), each a compile a
 # CUDA-graph capture after a warm-up could meet. One form serves every length (B = 64 decode under a CUDA graph on an
 # H200: 72.5 -> 71.5 µs).
-@triton.jit(do_not_specialize=["T", "NS"])
+@triton.jit(do_not_specialize=["T", "NS", "NSPEC"])
 def recurrent_fwd_kernel(
     q,  # [B*T, H, K]
     k,  # [B*T, H, K]
@@ -131,13 +131,15 @@ def recurrent_fwd_kernel(
     h0,  # [N, HV, K, V] ([N, HV, V, K] with STATE_V_FIRST), or the pool [S, HV, ...] with state indices
     ht,  # like h0 (the same pool with state indices)
     cu_seqlens,  # [N + 1] or None
-    state_indices,  # [N] or None
+    state_indices,  # [N], [N, NSPEC] (SPEC) or None
+    num_accepted,  # [N] or None (SPEC: the column of each sequence's first slot, plus one)
     A_log,  # [HV] or None
     dt_bias,  # [HV * K] or None
     scale,
     lower_bound,
     T,  # tokens per sequence (dense) or in the stream (varlen)
     NS,  # slots in the pool (state indices outside [0, NS) are padding)
+    NSPEC,  # SPEC: the columns of state_indices (slots for the states after each of the first NSPEC tokens)
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -157,6 +159,8 @@ def recurrent_fwd_kernel(
     IS_VARLEN: tl.constexpr,
     USE_STATE_INDICES: tl.constexpr,
     STATE_V_FIRST: tl.constexpr,
+    SPEC: tl.constexpr = False,
+    HAS_ACCEPTED: tl.constexpr = False,
 ):
     # one grid axis, the value tiles of one state adjacent: the halves of each state row are read and written
     # together (DRAM pages opened once), and the grid is not bounded by the 65535 of the other axes
@@ -181,7 +185,18 @@ def recurrent_fwd_kernel(
     has = eos > bos
     xq, xk, xg, xb = token_loads(p_q, p_k, p_g, p_beta, o_k, m_k, has)
     xv = tl.load(p_v, mask=m_v & (o_v * 0 == tl.where(has, 0, 1)), other=0)
-    if USE_STATE_INDICES:
+    if SPEC:  # the first slot is in column num_accepted[n] - 1 (0 without num_accepted)
+        if HAS_ACCEPTED:
+            col = tl.load(num_accepted + i_n).to(tl.int64) - 1
+        else:
+            col = i_n.to(tl.int64) * 0
+        col_ok = (col >= 0) & (col < NSPEC)
+        slot = tl.load(state_indices + i_n * NSPEC + tl.where(col_ok, col, 0)).to(tl.int64)
+        valid = col_ok & (slot >= 0) & (slot < NS)
+        slot = tl.where(valid, slot, 0)
+        n_tok = tl.where(valid, eos - bos, 0)
+        m_v_s = o_v < tl.where(valid, V, 0)
+    elif USE_STATE_INDICES:
         slot = tl.load(state_indices + i_n).to(tl.int64)
         valid = (slot >= 0) & (slot < NS)
         slot = tl.where(valid, slot, 0)
@@ -197,9 +212,10 @@ def recurrent_fwd_kernel(
     # in the serving step with every option (8 B plain; sm_90, K = V = 128), whether it is addressed [BK, BV] or
     # read [BV, BK] and transposed in registers
     if STATE_V_FIRST:
-        o_s = (slot * HV + i_hv) * (K * V) + o_v[None, :] * K + o_k[:, None]
+        o_t = o_v[None, :] * K + o_k[:, None]
     else:
-        o_s = (slot * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]
+        o_t = o_k[:, None] * V + o_v[None, :]
+    o_s = (slot * HV + i_hv) * (K * V) + o_t
     m_s = m_k[:, None] & m_v_s[None, :]
 
     b_S = tl.zeros([BK, BV], DT)  # [BK, BV]
@@ -226,12 +242,17 @@ def recurrent_fwd_kernel(
         b_o = tl.sum(b_S * b_q[:, None], 0)  # [BV]
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
         p_o += HV * V
-    if USE_STATE_INDICES:
+        if SPEC and STORE_FINAL_STATE:  # the state after token i into slot state_indices[n, i]
+            s_i = tl.load(state_indices + i_n * NSPEC + i, mask=i < NSPEC, other=-1).to(tl.int64)
+            ok_i = (s_i >= 0) & (s_i < NS)
+            p_i = ht + (tl.where(ok_i, s_i, 0) * HV + i_hv) * (K * V) + o_t
+            tl.store(p_i, b_S.to(ht.dtype.element_ty), mask=m_k[:, None] & (o_v < tl.where(ok_i, V, 0))[None, :])
+    if USE_STATE_INDICES or SPEC:
         # a padding sequence (its loop above ran no step): its output rows are zeros
         for _ in range(0, (eos - bos) - n_tok):
             tl.store(p_o, tl.zeros([BV], DT).to(p_o.dtype.element_ty), mask=m_v)
             p_o += HV * V
-    if STORE_FINAL_STATE:
+    if STORE_FINAL_STATE and not SPEC:
         tl.store(ht + o_s, b_S.to(ht.dtype.element_ty), mask=m_s)
 
 
@@ -255,8 +276,10 @@ def launch_forward(
     dt_bias: Tensor | None,
     scale: float,
     opts: Options,
+    num_accepted: Tensor | None = None,
 ) -> None:
-    """Run :func:`recurrent_fwd_kernel` writing ``o`` (and ``ht``); inputs of the public contract's shapes."""
+    """Run :func:`recurrent_fwd_kernel` writing ``o`` (and ``ht``); inputs of the public contract's shapes.
+    ``state_indices [N, T_spec]``: the speculative step (``SPEC``), ``ht`` written after each token."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -265,13 +288,15 @@ def launch_forward(
     NV, meta, key = _forward_meta(
         H, HV, K, V, v.dtype == torch.float64, opts, A_log is not None, dt_bias is not None, h0 is not None,
         ht is not None, cu_seqlens is not None, state_indices is not None,
+        state_indices is not None and state_indices.dim() == 2, num_accepted is not None,
     )  # fmt: skip
     _launch_fwd(
         (N * HV * NV,),
         (contiguous(q), contiguous(k), contiguous(v), contiguous(g), contiguous(beta), o,
-         h0, ht, cu_seqlens, state_indices, A_log, dt_bias,
+         h0, ht, cu_seqlens, state_indices, num_accepted, A_log, dt_bias,
          scale, 0.0 if opts.lower_bound is None else opts.lower_bound,
-         T, 0 if h0 is None else h0.shape[0]),
+         T, 0 if h0 is None else h0.shape[0],
+         state_indices.shape[1] if state_indices is not None and state_indices.dim() == 2 else 0),
         meta, key,
     )  # fmt: skip
 
@@ -279,12 +304,13 @@ def launch_forward(
 @functools.cache
 def _forward_meta(
     H: int, HV: int, K: int, V: int, fp64: bool, opts: Options, has_A_log: bool, has_dt_bias: bool,
-    has_h0: bool, has_ht: bool, varlen: bool, indexed: bool,
+    has_h0: bool, has_ht: bool, varlen: bool, indexed: bool, spec: bool = False, accepted: bool = False,
 ) -> tuple[int, dict[str, Any], tuple[Any, ...]]:  # fmt: skip
     """The number of value tiles, the constexpr arguments of one launch and a hashable key that determines them,
     computed once per configuration (the eager decode call is dominated by host overhead)."""
     BK, BV, num_warps = recurrent_config(K, V)
-    key = (H, HV, K, V, fp64, opts, has_A_log, has_dt_bias, has_h0, has_ht, varlen, indexed, BK, BV, num_warps)
+    key = (H, HV, K, V, fp64, opts, has_A_log, has_dt_bias, has_h0, has_ht, varlen, indexed, spec, accepted, BK, BV,
+           num_warps)  # fmt: skip
     meta = dict(
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, DT=tl.float64 if fp64 else tl.float32,
         USE_L2NORM=opts.use_qk_l2norm,
@@ -297,8 +323,10 @@ def _forward_meta(
         USE_INITIAL_STATE=has_h0,
         STORE_FINAL_STATE=has_ht,
         IS_VARLEN=varlen,
-        USE_STATE_INDICES=indexed,
+        USE_STATE_INDICES=indexed and not spec,
         STATE_V_FIRST=opts.state_v_first,
+        SPEC=spec,
+        HAS_ACCEPTED=accepted,
         num_warps=num_warps,
     )  # fmt: skip
     return (V + BV - 1) // BV, meta, key
@@ -341,8 +369,12 @@ def recurrent_update(
     A_log: Tensor | None,
     dt_bias: Tensor | None,
     opts: Options,
+    num_accepted_tokens: Tensor | None = None,
+    write_states: bool = True,
 ) -> Tensor:
     """The kernel of ``kda::recurrent_update_``: updates ``state_pool`` in place at ``state_indices``, returns o.
+    ``state_indices [N, T_spec]``: the speculative step (the state after each token into its own slot, from the
+    slot of column ``num_accepted_tokens[n] - 1``); ``write_states=False``: the pool only read.
     The pool is ``[S, HV, V, K]`` with ``opts.state_v_first`` (read and written in that layout: no transposed copy),
     else ``[S, HV, K, V]``.
 
@@ -352,6 +384,7 @@ def recurrent_update(
     """
     o = forward_outputs(q, v, cu_seqlens, False)[0]
     poison(o)
-    launch_forward(q, k, v, g, beta, o, state_pool, state_pool, cu_seqlens, contiguous(state_indices), A_log,
-                   dt_bias, scale, opts)  # fmt: skip
+    launch_forward(q, k, v, g, beta, o, state_pool, state_pool if write_states else None, cu_seqlens,
+                   contiguous(state_indices), A_log, dt_bias, scale, opts,
+                   None if num_accepted_tokens is None else contiguous(num_accepted_tokens))  # fmt: skip
     return o
