@@ -212,6 +212,27 @@ def test_verify_without_writing_states_leaves_the_pool_bit_for_bit(backend: str)
         assert torch.equal(p, pool)
 
 
+def test_bf16_pool_rounds_each_stored_state_once(backend: str) -> None:
+    """A bfloat16 pool: each step starts from its slots in float32 and stores its final state rounded once; over a
+    speculative step each per-token state is rounded on its own store, the carried state stays float32."""
+    x = make_inputs(3, 2, H, K, V, HV=HV, seed=5)
+    pool = make_state(S, HV, K, V).bfloat16()
+    idx = torch.tensor([4, 0, 2])
+    p = pool.clone()
+    o = kda_ops.recurrent_kda_update_(**x, state_pool=p, state_indices=idx)
+    o_ref, s_ref = kda_ops.recurrent_kda(**x, initial_state=pool[idx].float(), output_final_state=True)
+    assert s_ref is not None
+    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-6)
+    # one rounding, to nearest; under the interpreter (whose fp32 -> bf16 conversion truncates) within one ulp
+    ulp = 0.0 if backend == "reference" else 2.0**-7
+    torch.testing.assert_close(p[idx].float(), s_ref.bfloat16().float(), rtol=ulp, atol=0)
+    p = pool.clone()
+    idx2 = torch.tensor([[4, 1], [0, 3], [2, 5]])
+    o2 = kda_ops.recurrent_kda_update_(**x, state_pool=p, state_indices=idx2)
+    torch.testing.assert_close(o2, o_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(p[idx2[:, 1]].float(), s_ref.bfloat16().float(), rtol=ulp, atol=0)
+
+
 def test_opcheck() -> None:
     x = make_inputs(3, 1, H, K, V, HV=HV)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], make_state(S, HV, K, V), torch.tensor([4, -1, 0]),
@@ -274,7 +295,7 @@ def _call(**over: Any) -> Any:
     [
         ({"state_pool": torch.zeros(S, HV, K, V + 1)}, ValueError, "state_pool"),
         ({"state_pool": torch.zeros(S, HV * K * V)}, ValueError, "state_pool"),
-        ({"state_pool": torch.zeros(S, HV, K, V, dtype=torch.bfloat16)}, TypeError, "state_pool"),
+        ({"state_pool": torch.zeros(S, HV, K, V, dtype=torch.float16)}, TypeError, "state_pool"),
         ({"state_pool": torch.zeros(S, HV, V, K).transpose(-1, -2)}, ValueError, "state_pool"),
         ({"state_pool": torch.zeros(S, HV, K, V, dtype=torch.int32)}, TypeError, "state_pool"),
         ({"state_indices": [0, 1]}, TypeError, "state_indices"),

@@ -389,8 +389,8 @@ def _validate_pool(
         dims = ", ".join(("HV", "V", "K") if state_v_first else ("HV", "K", "V"))
         _fail(ValueError, "state_pool", f"shape {_layout('S', state_v_first)} with {dims} = "
               f"{', '.join(map(str, slot))}", list(state_pool.shape))  # fmt: skip
-    if state_pool.dtype not in (torch.float32, torch.float64):
-        _fail(TypeError, "state_pool", "a float32 tensor (float64 for checks)", state_pool.dtype)
+    if state_pool.dtype not in (torch.float32, torch.bfloat16, torch.float64):
+        _fail(TypeError, "state_pool", "a float32 or bfloat16 tensor (float64 for checks)", state_pool.dtype)
     if not state_pool.is_contiguous():
         _fail(ValueError, "state_pool", "a contiguous tensor (it is updated in place; a copy would not be)", "strides "
               f"{state_pool.stride()}")  # fmt: skip
@@ -470,9 +470,10 @@ def recurrent_kda_update_(
     Args:
         q, k, v, g, beta, scale, cu_seqlens, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
             lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval: as in :func:`recurrent_kda`.
-        state_pool: ``[S, HV, K, V]`` float32 (float64 for checks), contiguous; updated in place. ``[S, HV, V, K]``
-            with ``state_v_first`` (the layout of vLLM's and SGLang's pools), read and written in that layout, in
-            place: no transposed copy.
+        state_pool: ``[S, HV, K, V]`` float32 or bfloat16 (float64 for checks), contiguous; updated in place.
+            ``[S, HV, V, K]`` with ``state_v_first`` (the layout of vLLM's and SGLang's pools), read and written in
+            that layout, in place: no transposed copy. A bfloat16 pool holds half the bytes: each step reads its
+            slots into float32, runs in float32 and rounds each state once as it stores it.
         state_indices: ``[N]`` int32/int64, one slot per sequence (N = B, or ``len(cu_seqlens) - 1``), or
             ``[N, T_spec]`` (a slot per draft token: see ``num_accepted_tokens``); distinct except for -1
             (padding). Values are checked only on the CPU in eager mode; on a GPU they are the

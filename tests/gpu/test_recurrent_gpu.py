@@ -279,6 +279,23 @@ def test_speculative_verify_matches_the_cpu_kernel_and_replays() -> None:
     assert torch.equal(q, pool) and torch.equal(o_r, o)
 
 
+def test_bf16_pool_is_the_fp32_step_rounded_once() -> None:
+    """A bfloat16 pool at the decode shape: outputs of the step from the pool's states as float32, and each state
+    stored rounded to nearest once (as ``Tensor.bfloat16`` rounds the float32 pool's step)."""
+    N, H, K, V, S = 64, 32, 128, 128, 80
+    x = _decode_inputs(N, H, H, K, V, 1, seed=4)
+    params = make_inputs(1, 1, H, K, V, dtype=BF16, device=DEV, gate_in_kernel=True)
+    opts = {**SERVE_OPTS, "A_log": params["A_log"], "dt_bias": params["dt_bias"]}
+    pool16 = make_state(S, H, K, V, device=DEV).bfloat16()
+    pool32 = pool16.float()
+    idx = torch.randperm(S, device=DEV)[:N]
+    with checked():
+        o16 = kda_ops.recurrent_kda_update_(**x, state_pool=pool16, state_indices=idx, **opts)
+        o32 = kda_ops.recurrent_kda_update_(**x, state_pool=pool32, state_indices=idx, **opts)
+    assert torch.equal(o16, o32)
+    assert torch.equal(pool16, pool32.bfloat16())
+
+
 def test_serving_compiled_fullgraph_in_place() -> None:
     """torch.compile(fullgraph=True) of a decode step on the GPU: the pool is updated in place, equal to eager."""
     N, H, K, V, S = 16, 2, 128, 128, 32

@@ -299,10 +299,11 @@ def recurrent_variants() -> dict[str, Variant]:
 
     def forward(K: int, V: int, x: torch.dtype, opts: dict[str, bool], *, serving: bool = False,
                 varlen: bool = False, state: bool = True, v_first: bool = False,
-                spec: bool = False) -> Variant:  # fmt: skip
+                spec: bool = False, pool: torch.dtype | None = None) -> Variant:  # fmt: skip
         BK, BV, warps = recurrent_config(K, V)
         s = F64 if x == F64 else F32
-        args = dict(q=x, k=x, v=x, g=s, beta=x, o=x, h0=s if state else None, ht=s if state else None,
+        p = pool or s
+        args = dict(q=x, k=x, v=x, g=s, beta=x, o=x, h0=p if state else None, ht=p if state else None,
                     cu_seqlens=I32 if varlen else None, state_indices=I32 if serving or spec else None,
                     num_accepted=I32 if spec else None, NSPEC=4, SPEC=spec, HAS_ACCEPTED=spec,
                     A_log=F32 if opts["HAS_A_LOG"] else None, dt_bias=F32 if opts["HAS_DT_BIAS"] else None,
@@ -332,6 +333,8 @@ def recurrent_variants() -> dict[str, Variant]:
                                                             varlen=True),
         "decode speculative verify bf16 K=V=128 all options": forward(128, 128, BF, RECURRENT_ALL, spec=True,
                                                                       varlen=True),
+        "decode serving bf16 K=V=128 all options, bf16 pool": forward(128, 128, BF, RECURRENT_ALL, serving=True,
+                                                                       pool=BF),
         "decode recurrent bf16 K=V=128 l2norm": forward(128, 128, BF, dict(RECURRENT_PLAIN, USE_L2NORM=True)),
         # the V-first serving step spills 24 B (8 B plain) a thread: outside the no-spill bound until its speed
         # under a CUDA graph is measured against the K-first step's
