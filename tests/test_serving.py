@@ -233,6 +233,81 @@ def test_bf16_pool_rounds_each_stored_state_once(backend: str) -> None:
     torch.testing.assert_close(p[idx2[:, 1]].float(), s_ref.bfloat16().float(), rtol=ulp, atol=0)
 
 
+# ------------------------------------------------------------------------------------- chunked prefill
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_chunk_prefill_into_the_pool_equals_gather_chunk_scatter(backend: str, varlen: bool,
+                                                                 pool_dtype: torch.dtype) -> None:  # fmt: skip
+    """``chunk_kda_update_`` against gather -> ``chunk_kda`` -> scatter: the same outputs, the same states in the
+    slots (rounded once to a bf16 pool), a padding sequence's rows zero and every other slot untouched bit for
+    bit; sequences long enough to span several chunks."""
+    if varlen:
+        x = make_inputs(1, 200, H, K, V, HV=HV, seed=6)
+        cu: torch.Tensor | None = torch.tensor([0, 70, 71, 200])
+    else:
+        x = make_inputs(3, 90, H, K, V, HV=HV, seed=6)
+        cu = None
+    pool = make_state(S, HV, K, V).to(pool_dtype)
+    idx = [4, -1, 1]
+    slots = torch.tensor([max(i, 0) for i in idx])
+    o_ref, s_ref = kda_ops.chunk_kda(**x, initial_state=pool[slots].float(), cu_seqlens=cu, output_final_state=True,
+                                     use_qk_l2norm_in_kernel=True)  # fmt: skip
+    assert s_ref is not None
+    p = pool.clone()
+    o = kda_ops.chunk_kda_update_(**x, state_pool=p, state_indices=torch.tensor(idx), cu_seqlens=cu,
+                                  use_qk_l2norm_in_kernel=True)  # fmt: skip
+    rows = [slice(0, 70), slice(70, 71), slice(71, 200)] if varlen else None
+    for n in (0, 2):
+        got, want = (o[:, rows[n]], o_ref[:, rows[n]]) if rows else (o[n], o_ref[n])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        ulp = 0.0 if backend == "reference" or pool_dtype == torch.float32 else 2.0**-7
+        torch.testing.assert_close(p[idx[n]].float(), s_ref[n].to(pool_dtype).float(), rtol=max(ulp, 1e-5),
+                                   atol=1e-6)  # fmt: skip
+    pad = o[:, rows[1]] if rows else o[1]
+    assert torch.equal(pad, torch.zeros_like(pad))
+    untouched = [i for i in range(S) if i not in (4, 1)]
+    assert torch.equal(p[untouched], pool[untouched])
+
+
+@pytest.mark.interpret
+def test_chunk_prefill_with_the_split_scan() -> None:
+    """The split scan (3 segments of a 4-chunk sequence) reads the first segment's state from the pool slot and
+    writes the last one's back, as the plain scan does."""
+    from kda_ops.triton.launch import force_forms, poison_outputs
+
+    x = make_inputs(2, 256, H, K, V, HV=HV, seed=7)
+    pool = make_state(S, HV, K, V)
+    idx = torch.tensor([3, 0])
+    with ops.cpu_backend("triton"), poison_outputs():
+        p1, p3 = pool.clone(), pool.clone()
+        o1 = kda_ops.chunk_kda_update_(**x, state_pool=p1, state_indices=idx)
+        with force_forms(scan_segments=3):
+            o3 = kda_ops.chunk_kda_update_(**x, state_pool=p3, state_indices=idx)
+    torch.testing.assert_close(o3, o1, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(p3, p1, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(p1[3], pool[3]) and torch.equal(p1[1], pool[1])
+
+
+def test_chunk_prefill_validation_names_the_argument() -> None:
+    x = make_inputs(2, 4, H, K, V, HV=HV)
+    pool = make_state(S, HV, K, V)
+    with pytest.raises(ValueError, match="state_indices"):
+        kda_ops.chunk_kda_update_(**x, state_pool=pool, state_indices=torch.tensor([[0, 1], [2, 3]]))
+    with pytest.raises(ValueError, match="state_indices"):
+        kda_ops.chunk_kda_update_(**x, state_pool=pool, state_indices=torch.tensor([3, 3]))
+    with pytest.raises(TypeError, match="state_pool"):
+        kda_ops.chunk_kda_update_(**x, state_pool=pool.half(), state_indices=torch.tensor([0, 1]))
+
+
+def test_chunk_prefill_opcheck() -> None:
+    x = make_inputs(2, 70, H, K, V, HV=HV)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], make_state(S, HV, K, V), torch.tensor([4, -1]),
+            K**-0.5, None, None, None, None, True, False, False, False)  # fmt: skip
+    torch.library.opcheck(torch.ops.kda.chunk_update_.default, args)
+
+
 def test_opcheck() -> None:
     x = make_inputs(3, 1, H, K, V, HV=HV)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], make_state(S, HV, K, V), torch.tensor([4, -1, 0]),
@@ -250,16 +325,20 @@ def test_opcheck() -> None:
         torch.library.opcheck(torch.ops.kda.recurrent_update_.default, args)
 
 
-def test_compiled_decode_step_updates_the_pool_without_a_copy() -> None:
-    """fullgraph compile: no graph break, the pool updated in place, no clone or copy of it in the code."""
+@pytest.mark.parametrize("schedule", ["recurrent", "chunk"])
+def test_compiled_decode_step_updates_the_pool_without_a_copy(schedule: str) -> None:
+    """fullgraph compile: no graph break, the pool updated in place, no clone or copy of it in the code (the decode
+    step, and the chunkwise prefill into the pool)."""
     from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
 
+    update = kda_ops.recurrent_kda_update_ if schedule == "recurrent" else kda_ops.chunk_kda_update_
+
     def step(x: dict[str, torch.Tensor], pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        o = kda_ops.recurrent_kda_update_(**x, state_pool=pool, state_indices=idx, use_qk_l2norm_in_kernel=True)
+        o = update(**x, state_pool=pool, state_indices=idx, use_qk_l2norm_in_kernel=True)
         return o * 2
 
-    x = make_inputs(3, 1, H, K, V, HV=HV)
+    x = make_inputs(3, 1 if schedule == "recurrent" else 70, H, K, V, HV=HV)
     pool = make_state(S, HV, K, V)
     idx = torch.tensor([4, -1, 0])
     p_eager = pool.clone()
@@ -276,7 +355,7 @@ def test_compiled_decode_step_updates_the_pool_without_a_copy() -> None:
     torch.testing.assert_close(p, p_eager, rtol=0, atol=0)
     assert counters["inductor"]["possibly_missed_reinplacing_opportunities"] == 0
     src = "\n".join(code)
-    assert "recurrent_update_.default" in src
+    assert f"{schedule}_update_.default" in src
     assert "clone" not in src and "copy_" not in src, src
 
 

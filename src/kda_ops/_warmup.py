@@ -31,12 +31,14 @@ import torch
 from torch import Tensor
 
 from kda_ops import ops
-from kda_ops.api import check_float, chunk_kda, recurrent_kda, recurrent_kda_update_
+from kda_ops.api import check_float, chunk_kda, chunk_kda_update_, recurrent_kda, recurrent_kda_update_
 from kda_ops.common import num_sequences, state_dtype, state_shape
 
 # keyword arguments of chunk_kda that recurrent_kda does not take, and those the serving step does not take either
 _CHUNK_ONLY = ("recompute_in_backward", "return_intermediate_states")
 _NOT_SERVING = ("initial_state", "output_final_state", *_CHUNK_ONLY)
+# keyword arguments of the recurrent serving step that chunk_kda does not take (its speculative forms)
+_SERVING_ONLY = ("num_accepted_tokens", "write_states")
 
 
 def _without(kwargs: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
@@ -45,8 +47,8 @@ def _without(kwargs: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
 
 def warmup(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kwargs: Any) -> None:
     """Compile every Triton kernel that ``chunk_kda(q, k, v, g, beta, **kwargs)``, ``recurrent_kda(...)`` and the
-    serving step ``recurrent_kda_update_`` with the same options use, for every value tile the chunk scan may pick,
-    then wait for the device.
+    serving steps (``recurrent_kda_update_``, its speculative verify, ``chunk_kda_update_``) on a float32 pool with
+    the same options use, for every value tile the chunk scan may pick, then wait for the device.
 
     Pass example inputs with the real ``H``, ``HV``, ``K``, ``V``, dtypes and keyword options (``initial_state``
     and ``output_final_state`` included: each combination is its own compiled kernel; ``state_v_first`` too, which
@@ -72,10 +74,19 @@ def warmup(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kwargs: A
     shape = state_shape(N, v.shape[2], q.shape[3], v.shape[3], kwargs.get("state_v_first", False))
     pool = torch.zeros(shape, device=q.device, dtype=state_dtype(v))
     options = _without(kwargs, _NOT_SERVING)
-    with torch.no_grad():  # the serving step is not differentiable
+    with torch.no_grad():  # the serving steps are not differentiable
         for dtype in (torch.int32, torch.int64):
             slots = torch.arange(N, device=q.device, dtype=dtype)
             recurrent_kda_update_(q, k, v, g, beta, pool, slots, **options)
+            chunk_kda_update_(q, k, v, g, beta, pool, slots, **options)
+            # the speculative verify step (its form depends on no shape): a slot per token of every sequence
+            if N and q.shape[1]:
+                cu = kwargs.get("cu_seqlens")
+                one = {} if cu is None else {"cu_seqlens": torch.tensor([0, 1], device=q.device, dtype=cu.dtype)}
+                q1, k1, v1, g1, b1 = (t[:1, :1] for t in (q, k, v, g, beta))
+                recurrent_kda_update_(q1, k1, v1, g1, b1, pool[:1].clone(), torch.zeros(1, 1, device=q.device,
+                                      dtype=dtype), **{**options, **one},
+                                      num_accepted_tokens=torch.ones(1, device=q.device, dtype=dtype))  # fmt: skip
     torch.cuda.synchronize(q.device)  # sync-ok: warmup runs before capture, by contract
 
 

@@ -509,6 +509,57 @@ def recurrent_kda_update_(
     )  # fmt: skip
 
 
+def chunk_kda_update_(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    state_indices: Tensor,
+    *,
+    scale: float | None = None,
+    cu_seqlens: Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    lower_bound: float | Tensor | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+) -> Tensor:
+    """Chunked prefill into a pool of states: :func:`chunk_kda` from each sequence's slot, its final state written
+    back into that slot, in place (no gather or scatter copy of the states). Not differentiable.
+
+    The arguments and the slot contract are those of :func:`recurrent_kda_update_` with one slot per sequence
+    (``state_indices [N]``; -1: padding, its output rows zero, the pool untouched): the same step by the chunkwise
+    schedule, for prompts long enough that chunks pay (a few hundred tokens and up). Capturable in a CUDA graph
+    and traceable by ``torch.compile(fullgraph=True)``, which updates the pool in place.
+
+    Returns:
+        o: ``[B, T, HV, V]`` in v's dtype.
+
+    Raises:
+        TypeError, ValueError: naming the argument that breaks the contract.
+    """
+    check_flags(
+        ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel), ("use_gate_in_kernel", use_gate_in_kernel),
+        ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel), ("allow_neg_eigval", allow_neg_eigval),
+        ("state_v_first", state_v_first),
+    )  # fmt: skip
+    s, bound = _validate(q, k, v, g, beta, scale, None, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound)
+    if isinstance(state_indices, Tensor) and state_indices.dim() != 1:
+        _fail(ValueError, "state_indices", "[N] (one slot per sequence)", list(state_indices.shape))
+    _validate_pool(q, v, state_pool, state_indices, cu_seqlens, state_v_first)
+    if checks.active(g):
+        checks.check_gate_and_beta(g, beta, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    return ops.run_chunk_update(
+        q, k, v, g, beta, state_pool, state_indices, s, cu_seqlens, A_log, dt_bias, bound, use_qk_l2norm_in_kernel,
+        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
+    )  # fmt: skip
+
+
 def kda_gate(
     g: Tensor,
     A_log: Tensor | None = None,
@@ -587,4 +638,4 @@ recurrent_kda.__doc__ = (
     "KDA token by token by the fused recurrent schedule (decode, short sequences). Differentiable.\n" + _DOC_ARGS
 )
 
-__all__ = ["chunk_kda", "kda_gate", "recurrent_kda", "recurrent_kda_update_"]
+__all__ = ["chunk_kda", "chunk_kda_update_", "kda_gate", "recurrent_kda", "recurrent_kda_update_"]

@@ -38,6 +38,10 @@ Schemas (``torch.ops.kda.*``)::
         state_indices[n, num_accepted_tokens[n] - 1] (column 0 without num_accepted_tokens) and writes the state
         after its t-th token to slot state_indices[n, t]; write_states=False writes no state. Defined with
         Library.define rather than custom_op (eager overhead, see its section), not differentiable
+    chunk_update_(q, k, v, g, beta, Tensor(a!) state_pool, Tensor state_indices, float scale, Tensor? cu_seqlens,
+                  Tensor? A_log, Tensor? dt_bias, float? lower_bound, bool x 4, bool state_v_first=False) -> Tensor o
+        the chunkwise schedule of the serving step (chunked prefill into the pool): each sequence from its slot,
+        its final state back into it, in place
     state_v_first (every op with a state): the states in and out, their gradients and the pool are [N, HV, V, K]
         (the layout of vLLM's and SGLang's pools) instead of [N, HV, K, V]; the kernels read and write that layout
         in place, the reference transposes at its boundary
@@ -81,7 +85,7 @@ from kda_ops.varlen import chunk_states_shape
 # Ops with a Triton kernel: on CUDA they run it; on the CPU under the "triton" CPU backend (the interpreter tests).
 TRITON_KERNELS: frozenset[str] = frozenset(
     {"chunk", "chunk_states", "chunk_bwd", "chunk_train", "chunk_bwd_saved", "recurrent", "recurrent_bwd",
-     "recurrent_update_"}  # fmt: skip
+     "recurrent_update_", "chunk_update_"}  # fmt: skip
 )
 
 _cpu_backend = os.environ.get("KDA_OPS_CPU_BACKEND", "reference")
@@ -543,6 +547,52 @@ torch.library.register_fake("kda::recurrent_update_", _recurrent_update_fake, li
 recurrent_update_ = torch.ops.kda.recurrent_update_.default
 _DIRECT[recurrent_update_] = _recurrent_update_impl
 
+# The chunkwise serving step, defined as the recurrent one is (and for the same reasons).
+_lib.define(
+    "chunk_update_(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state_pool, "
+    "Tensor state_indices, float scale, Tensor? cu_seqlens, Tensor? A_log, Tensor? dt_bias, float? lower_bound, "
+    "bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, "
+    "bool allow_neg_eigval, bool state_v_first=False) -> Tensor"
+)
+
+
+def _chunk_update_impl(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    state_indices: Tensor,
+    scale: float,
+    cu_seqlens: Optional[Tensor],
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    lower_bound: Optional[float],
+    use_qk_l2norm_in_kernel: bool,
+    use_gate_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool,
+    allow_neg_eigval: bool,
+    state_v_first: bool = False,
+) -> Tensor:
+    opts = _options(
+        lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+        state_v_first,
+    )  # fmt: skip
+    op = "chunk_update_"
+    kernel = _triton_kernel(op) if uses_triton(op, q.device, q, v) else reference.chunk_update
+    torch.autograd.graph.increment_version(state_pool)
+    o: Tensor = kernel(q, k, v, g, beta, state_pool, state_indices, scale, cu_seqlens, A_log, dt_bias, opts)
+    return o
+
+
+for _key in ("CPU", "CUDA"):
+    _lib.impl("chunk_update_", _chunk_update_impl, _key)
+_lib.impl("chunk_update_", torch.library.fallthrough_kernel, "Autograd")
+torch.library.register_fake("kda::chunk_update_", _recurrent_update_fake, lib=_lib)
+chunk_update_ = torch.ops.kda.chunk_update_.default
+_DIRECT[chunk_update_] = _chunk_update_impl
+
 
 # ---------------------------------------------------------------------------------------------- autograd
 
@@ -773,6 +823,36 @@ def run_update(
         q, k, v, g, beta, state_pool, state_indices, scale, cu_seqlens, A_log, dt_bias, lower_bound,
         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
         num_accepted_tokens, write_states,
+    )  # fmt: skip
+    return o
+
+
+def run_chunk_update(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    state_indices: Tensor,
+    scale: float,
+    cu_seqlens: Optional[Tensor],
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    lower_bound: Optional[float],
+    use_qk_l2norm_in_kernel: bool,
+    use_gate_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool,
+    allow_neg_eigval: bool,
+    state_v_first: bool = False,
+) -> Tensor:
+    """``kda::chunk_update_`` on validated arguments: the pool updated in place; ``o``."""
+    op = chunk_update_
+    tensors = (q, k, v, g, beta, state_pool, state_indices, cu_seqlens, A_log, dt_bias)
+    fn = _direct(op, tensors) or op
+    o: Tensor = fn(
+        q, k, v, g, beta, state_pool, state_indices, scale, cu_seqlens, A_log, dt_bias, lower_bound,
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
     )  # fmt: skip
     return o
 

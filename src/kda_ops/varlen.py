@@ -161,3 +161,17 @@ def chunk_map(cu_seqlens: Tensor | None, B: int, T: int, C: int, device: torch.d
     start = c.sub_(offset[seq]).mul_(C).add_(cu[seq])
     count = (cu[1:][seq] - start).clamp_(0, C)
     return ChunkMap(cu, start, count, offset)
+
+
+def zero_padding_rows(o: Tensor, valid: Tensor, cu_seqlens: Tensor | None) -> Tensor:
+    """``o [B, T, HV, V]`` with the rows of padding sequences (``valid [N]`` False: a pool slot outside the pool)
+    set to zero, on the device: the serving ops' contract for a padding sequence."""
+    T = o.shape[1]
+    if cu_seqlens is None:
+        keep = valid[:, None, None, None]
+    else:
+        cu = sanitize_cu_seqlens(cu_seqlens, T)
+        N = cu.shape[0] - 1
+        seq = torch.searchsorted(cu[1:], torch.arange(T, device=o.device), right=True).clamp(max=max(N - 1, 0))
+        keep = valid[seq][None, :, None, None]
+    return torch.where(keep, o, torch.zeros((), dtype=o.dtype, device=o.device))

@@ -298,3 +298,34 @@ def test_dense_batch_on_a_side_stream_and_captured() -> None:
         torch.cuda.synchronize()
     for out in (on_side, captured):
         assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+
+@pytest.mark.parametrize("segments", [None, 4], ids=["rule", "split-4"])
+def test_chunk_prefill_into_the_pool(segments: int | None) -> None:
+    """``chunk_kda_update_`` (B = 4, T = 1000, bf16, fp32 pool, random slots, one padding sequence) equals gather
+    -> ``chunk_kda`` -> scatter bit for bit, with the plain and the split scan; a CUDA-graph replay equals eager."""
+    from kda_ops.triton.launch import force_forms
+
+    B, T, H, D, S = 4, 1000, 4, 128, 11
+    x = make_inputs(B, T, H, D, D, dtype=torch.bfloat16, device=DEV, seed=8)
+    pool = make_state(S, H, D, D, device=DEV)
+    idx = torch.tensor([7, -1, 2, 9], device=DEV)
+    with force_forms(scan_segments=segments), torch.no_grad():
+        o_ref, s_ref = kda_ops.chunk_kda(**x, initial_state=pool[idx.clamp(min=0)], output_final_state=True,
+                                         use_qk_l2norm_in_kernel=True)  # fmt: skip
+        assert s_ref is not None
+        p = pool.clone()
+        with checked():
+            o = kda_ops.chunk_kda_update_(**x, state_pool=p, state_indices=idx, use_qk_l2norm_in_kernel=True)
+        keep = idx >= 0
+        assert torch.equal(o[keep], o_ref[keep]) and torch.equal(o[1], torch.zeros_like(o[1]))
+        expect = pool.clone()
+        expect[idx[keep]] = s_ref[keep]
+        assert torch.equal(p, expect)
+        g_pool, e_pool = pool.clone(), pool.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o_g = kda_ops.chunk_kda_update_(**x, state_pool=g_pool, state_indices=idx, use_qk_l2norm_in_kernel=True)
+        graph.replay()
+        o_e = kda_ops.chunk_kda_update_(**x, state_pool=e_pool, state_indices=idx, use_qk_l2norm_in_kernel=True)
+        assert torch.equal(o_g, o_e) and torch.equal(g_pool, e_pool)

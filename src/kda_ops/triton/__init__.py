@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kda_ops.triton.chunk.backward import chunk_bwd, chunk_bwd_saved
-from kda_ops.triton.chunk.forward import chunk_fwd, chunk_fwd_states, chunk_fwd_train
+from kda_ops.triton.chunk.forward import chunk_fwd, chunk_fwd_states, chunk_fwd_train, chunk_update
 from kda_ops.triton.chunk.scan import block_v_choices
 from kda_ops.triton.launch import force_forms
 from kda_ops.triton.recurrent.backward import recurrent_bwd
@@ -24,6 +24,7 @@ KERNELS: dict[str, Callable[..., Any]] = {
     "chunk_bwd": chunk_bwd,
     "chunk_train": chunk_fwd_train,
     "chunk_bwd_saved": chunk_bwd_saved,
+    "chunk_update_": chunk_update,
     "recurrent": recurrent_fwd,
     "recurrent_bwd": recurrent_bwd,
     "recurrent_update_": recurrent_update,

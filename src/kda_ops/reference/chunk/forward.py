@@ -24,7 +24,8 @@ from kda_ops.reference.chunk.intra import intra_chunk
 from kda_ops.reference.chunk.prepare import prepare_flat
 from kda_ops.reference.chunk.scan import state_scan
 from kda_ops.reference.chunk.solve import solve_unit_lower, wy_factors
-from kda_ops.varlen import ChunkSlots, chunk_slots, chunk_states, flat_cu_seqlens
+from kda_ops.reference.pool import read_slots, write_slots
+from kda_ops.varlen import ChunkSlots, chunk_slots, chunk_states, flat_cu_seqlens, zero_padding_rows
 
 
 @dataclass
@@ -155,4 +156,26 @@ def chunk_fwd_states(
     return o.to(v.dtype), final, states
 
 
-__all__ = ["ChunkState", "chunk_fwd", "chunk_fwd_states", "flatten_inputs", "forward_chunks"]
+def chunk_update(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    state_indices: Tensor,
+    scale: float,
+    cu_seqlens: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    opts: Options,
+) -> Tensor:
+    """The CPU kernel of ``torch.ops.kda.chunk_update_``: :func:`chunk_fwd` from each sequence's pool slot, its
+    final state written back there in place (:mod:`kda_ops.reference.pool`); returns ``o``."""
+    h0, slot, valid = read_slots(state_pool, state_indices)
+    o, final = chunk_fwd(q, k, v, g, beta, scale, h0, cu_seqlens, A_log, dt_bias, opts, True)
+    write_slots(state_pool, slot, valid, final)
+    return zero_padding_rows(o, valid, cu_seqlens)
+
+
+__all__ = ["ChunkState", "chunk_fwd", "chunk_fwd_states", "chunk_update", "flatten_inputs", "forward_chunks"]

@@ -21,8 +21,9 @@ from torch import Tensor
 
 from kda_ops.common import Options, state_dtype, transposed
 from kda_ops.reference.inputs import transform_inputs
+from kda_ops.reference.pool import read_slots, write_slots
 from kda_ops.reference.threads import loop_threads
-from kda_ops.varlen import sanitize_cu_seqlens
+from kda_ops.varlen import sanitize_cu_seqlens, zero_padding_rows
 
 
 def recurrent_fwd(
@@ -111,29 +112,11 @@ def recurrent_update(
     if state_indices.dim() == 2:
         return speculative_update(q, k, v, g, beta, state_pool, state_indices, scale, cu_seqlens, A_log, dt_bias,
                                   opts, num_accepted_tokens, write_states)  # fmt: skip
-    B, T = q.shape[:2]
-    S = state_pool.shape[0]
-    idx = state_indices.to(torch.int64)
-    valid = (idx >= 0) & (idx < S)
-    slot = torch.where(valid, idx, torch.zeros_like(idx))
-    h0 = state_pool.index_select(0, slot)
+    h0, slot, valid = read_slots(state_pool, state_indices)
     o, final = recurrent_fwd(q, k, v, g, beta, scale, h0, cu_seqlens, A_log, dt_bias, opts, True)
-    # zero the output rows of padding sequences
-    if cu_seqlens is None:
-        keep = valid[:, None, None, None]
-    else:
-        cu = sanitize_cu_seqlens(cu_seqlens, T)
-        N = cu.shape[0] - 1
-        seq = torch.searchsorted(cu[1:], torch.arange(T, device=q.device), right=True).clamp(max=max(N - 1, 0))
-        keep = valid[seq][None, :, None, None]
-    o = torch.where(keep, o, torch.zeros((), dtype=o.dtype, device=o.device))
-    # One sequence at a time: a padding sequence rewrites its (clamped) slot with that slot's current value, so
-    # it can never undo the update of a valid sequence that shares the slot.
-    final = final.to(state_pool.dtype)
-    for n in range(slot.shape[0] if write_states else 0):
-        cur = state_pool.index_select(0, slot[n : n + 1])
-        state_pool.index_copy_(0, slot[n : n + 1], torch.where(valid[n], final[n : n + 1], cur))
-    return o
+    if write_states:
+        write_slots(state_pool, slot, valid, final)
+    return zero_padding_rows(o, valid, cu_seqlens)
 
 
 def speculative_update(

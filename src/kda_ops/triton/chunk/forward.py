@@ -37,7 +37,7 @@ from kda_ops.triton.chunk.scan import chunk_state
 from kda_ops.triton.chunk.slots import slot_map
 from kda_ops.triton.chunk.tiles import BT
 from kda_ops.triton.launch import contiguous, flat, poison
-from kda_ops.varlen import chunk_states, chunk_states_shape
+from kda_ops.varlen import chunk_states, chunk_states_shape, zero_padding_rows
 
 
 def _opt(x: Tensor | None) -> Tensor | None:
@@ -85,14 +85,20 @@ def _forward(
     output_final_state: bool,
     precision: Precision | None,
     states: bool,
+    pool: Tensor | None = None,
+    state_indices: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """:func:`chunk_fwd`'s outputs, and with ``states`` the state entering each chunk."""
+    """:func:`chunk_fwd`'s outputs, and with ``states`` the state entering each chunk. With ``pool`` and
+    ``state_indices`` (:func:`chunk_update`; ``initial_state`` None) the scan reads each sequence's initial state
+    from its pool slot and writes its final state back there; the returned final state is then empty."""
     B, T = q.shape[:2]
     v = contiguous(v)
     o, final = forward_outputs(q, v, cu_seqlens, output_final_state, opts.state_v_first)
-    h0 = None if initial_state is None else contiguous(initial_state.to(state_dtype(v)))
+    h0 = pool if pool is not None else None if initial_state is None else contiguous(initial_state.to(state_dtype(v)))
     packed = cu_seqlens is not None
     if B * T == 0:
+        if pool is not None:
+            return o, final, None
         final = final_without_tokens(final, h0, output_final_state)
         if not states:
             return o, final, None
@@ -112,8 +118,9 @@ def _forward(
     )
     # stage 4: X = V - Kt S (E = U - W S = Tb X);  S' = exp(Gam_last) S + Kb^T X, keeping the state entering each chunk
     Hin, X = chunk_state(
-        W=f.Kt, U=vf, Kend=f.Kb, Gl=f.Gl, h0=h0, cu=cu, precision=p, final=final if output_final_state else None,
-        offsets=slots.offset, norms=f.Nrm, x_form=True, state_v_first=opts.state_v_first,
+        W=f.Kt, U=vf, Kend=f.Kb, Gl=f.Gl, h0=h0, cu=cu, precision=p,
+        final=pool if pool is not None else final if output_final_state else None, offsets=slots.offset, norms=f.Nrm,
+        x_form=True, state_v_first=opts.state_v_first, state_indices=state_indices,
     )
     # stage 5: O = Qt S + Mqk E = Qt S + (Mqk Tb) X, parallel over chunks
     chunk_output(
@@ -123,6 +130,29 @@ def _forward(
     if not states:
         return o, final, None
     return o, final, chunk_states(Hin, slots.count, B, T, packed, BT, chunk_states_dtype(v), opts.state_v_first)
+
+
+def chunk_update(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    state_indices: Tensor,
+    scale: float,
+    cu_seqlens: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    opts: Options,
+) -> Tensor:
+    """The kernel of ``kda::chunk_update_``: the chunkwise forward from and back into ``state_pool`` (``[S, HV, K,
+    V]``, ``[S, HV, V, K]`` with ``opts.state_v_first``) at ``state_indices [N]``, in place, no gather or scatter
+    copy; ``o`` with a padding sequence's rows (slot -1) zero (its state is neither read nor written)."""
+    o, _, _ = _forward(q, k, v, g, beta, scale, None, cu_seqlens, A_log, dt_bias, opts, False, None, states=False,
+                       pool=state_pool, state_indices=state_indices)  # fmt: skip
+    valid = (state_indices >= 0) & (state_indices < state_pool.shape[0])
+    return zero_padding_rows(o, valid, cu_seqlens)
 
 
 def chunk_fwd_states(
@@ -210,4 +240,4 @@ def chunk_fwd_train(
     return (o, final, *fw.tensors(), q.new_empty(0) if norms is None else norms)
 
 
-__all__ = ["chunk_fwd", "chunk_fwd_states", "chunk_fwd_train", "final_without_tokens"]
+__all__ = ["chunk_fwd", "chunk_fwd_states", "chunk_fwd_train", "chunk_update", "final_without_tokens"]

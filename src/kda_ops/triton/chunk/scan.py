@@ -131,12 +131,28 @@ def scan_tiles(W, U, Kend, Gl, Nk, tok, eos, c0, j, n_chunks, i_hv, HV, T, o_k, 
     return w, u, ke, gl, nk
 
 
+@triton.jit
+def user_state(Slots, NSLOT, i_n, i_hv, HV, K: tl.constexpr, V: tl.constexpr, USE_SLOTS: tl.constexpr):
+    """Where sequence ``i_n``'s initial and final state lie in the user's ``[N, HV, ...]`` tensor, or with
+    ``USE_SLOTS`` in a pool of ``NSLOT`` states at slot ``Slots[i_n]``; and 1 where it is read and written, 0 for a
+    padding slot (outside ``[0, NSLOT)``)."""
+    if USE_SLOTS:
+        slot = tl.load(Slots + i_n).to(tl.int64)
+        ok = ((slot >= 0) & (slot < NSLOT)).to(tl.int32)
+        slot = tl.where(ok != 0, slot, 0)
+    else:
+        slot = i_n.to(tl.int64)
+        ok = 1
+    return (slot * HV + i_hv) * K * V, ok
+
+
 @jit_any_length
 def chunk_state_kernel(
-    W, U, Kend, Gl, h0, final, Hin, E, Nk, cu, chunk_off, MB, HV, T, NSEG,
+    W, U, Kend, Gl, h0, final, Hin, E, Nk, cu, chunk_off, MB, Slots, NSLOT, HV, T, NSEG,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, PREC_SCAN: tl.constexpr, DT: tl.constexpr,
     NORMS: tl.constexpr, X_FORM: tl.constexpr, PHASE: tl.constexpr, PDL: tl.constexpr, STATE_V_FIRST: tl.constexpr,
+    USE_SLOTS: tl.constexpr = False,
 ):  # fmt: skip
     pdl_enter(PDL)
     # one grid axis (the others stop at 65535), value tiles of one head adjacent: they share W and Kend in L2
@@ -160,6 +176,8 @@ def chunk_state_kernel(
     rows = tl.arange(0, BT)
     o_k, m_k, o_v, m_v, m_s, p_s, s_off = state_tile(i_n, i_hv, i_v, HV, K, V, BK, BV)
     p_u = state_offsets(o_k, o_v, K, V, STATE_V_FIRST)  # the user's h0 and final state; Hin and Sin use p_s
+    u_off, u_ok = user_state(Slots, NSLOT, i_n, i_hv, HV, K, V, USE_SLOTS)
+    m_u_s = m_s & (p_s * 0 + u_ok != 0)  # a padding slot is neither read nor written
     n_chunks = tl.cdiv(eos - bos, BT).to(tl.int32)
     if PHASE != 0:  # segment i_s: chunks [j0, j0 + L) of the sequence's n_chunks
         L = tl.cdiv(n_chunks, NSEG)
@@ -178,7 +196,7 @@ def chunk_state_kernel(
         m_u = m_v
     else:
         if USE_INITIAL_STATE:
-            S = tl.load(h0 + s_off + p_u, mask=m_s, other=0.0).to(DT)
+            S = tl.load(h0 + u_off + p_u, mask=m_u_s, other=0.0).to(DT)
         else:
             S = tl.zeros((BK, BV), dtype=DT)
         m_u = m_v
@@ -215,14 +233,14 @@ def chunk_state_kernel(
         p = MB + ((i_n * NS + i_s) * HV + i_hv) * K * (V + K) + o_k[:, None] * (V + K) + o_c[None, :]
         tl.store(p, S.to(MB.dtype.element_ty), mask=m_k[:, None] & m_c[None, :])
     elif STORE_FINAL_STATE:  # by the last segment
-        tl.store(final + s_off + p_u, S.to(final.dtype.element_ty), mask=m_s & (p_s * 0 + i_s == NS - 1))
+        tl.store(final + u_off + p_u, S.to(final.dtype.element_ty), mask=m_u_s & (p_s * 0 + i_s == NS - 1))
 
 
 @jit_any_length
 def segment_states_kernel(
-    MB, h0, Sin, HV, NSEG, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr,
-    USE_INITIAL_STATE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr,
-    STATE_V_FIRST: tl.constexpr, REVERSE: tl.constexpr = False,
+    MB, h0, Sin, Slots, NSLOT, HV, NSEG, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BKC: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr, REVERSE: tl.constexpr = False, USE_SLOTS: tl.constexpr = False,
 ):  # fmt: skip
     """The state entering each segment, in order: ``S_in[0] = h0``, ``S_in[s + 1] = M[s] S_in[s] + B[s]`` (one
     program per sequence, value head and value tile; ``M S`` in ``BKC``-wide key blocks, ``S`` read back from
@@ -238,8 +256,10 @@ def segment_states_kernel(
     i_hv = (pid // NV) % HV
     i_n = pid // NV // HV
     o_k, m_k, o_v, m_v, m_s, p_s, s_off = state_tile(i_n, i_hv, i_v, HV, K, V, BK, BV)
-    if USE_INITIAL_STATE:
-        S = tl.load(h0 + s_off + state_offsets(o_k, o_v, K, V, STATE_V_FIRST), mask=m_s, other=0.0).to(DT)
+    if USE_INITIAL_STATE:  # the user's state, or its pool slot (a padding slot: zero)
+        u_off, u_ok = user_state(Slots, NSLOT, i_n, i_hv, HV, K, V, USE_SLOTS)
+        S = tl.load(h0 + u_off + state_offsets(o_k, o_v, K, V, STATE_V_FIRST), mask=m_s & (p_s * 0 + u_ok != 0),
+                    other=0.0).to(DT)  # fmt: skip
     else:
         S = tl.zeros((BK, BV), dtype=DT)
     o_b = tl.arange(0, BKC)
@@ -287,6 +307,7 @@ def chunk_state(
     norms: Tensor | None = None,
     x_form: bool = False,
     state_v_first: bool = False,
+    state_indices: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Run the scan over the chunks of every sequence of ``cu`` (sanitized, int64, over the flat token stream).
 
@@ -304,6 +325,9 @@ def chunk_state(
     ``Kend`` holds ``Kb = Tb^T Kend``; the scan carries ``X = V - Kt S`` (``norms[1]`` applied to the rows of
     ``Kt S``) and ``S' = exp(Gam_last) S + Kb^T X``, and returns ``X`` where it returns ``E`` otherwise
     (``E = Tb X``).
+
+    ``state_indices [N]``: ``h0`` and ``final`` are one pool ``[S, HV, ...]``; sequence ``n`` starts from slot
+    ``state_indices[n]`` and its final state is written back there (a negative slot: from zero, not written).
     """
     T, HV, K = W.shape
     V = U.shape[2]
@@ -319,13 +343,15 @@ def chunk_state(
     DT = compute_dtype(Gl)
     args = (contiguous(W), contiguous(U), contiguous(Kend), Gl)
     rest = (None if norms is None else norms[1], cu, offsets)
+    slots = None if state_indices is None else contiguous(state_indices)
+    nslot = 0 if slots is None or h0 is None else h0.shape[0]
     meta = dict(K=K, V=V, BK=pow2(K), BV=BV, BT=BT, STORE_FINAL_STATE=final is not None, PREC_SCAN=precision.scan,
-                DT=DT, NORMS=norms is not None, X_FORM=x_form, STATE_V_FIRST=state_v_first, **launch("scan"),
-                **pdl(W.device))  # fmt: skip
+                DT=DT, NORMS=norms is not None, X_FORM=x_form, STATE_V_FIRST=state_v_first,
+                USE_SLOTS=slots is not None, **launch("scan"), **pdl(W.device))  # fmt: skip
     if nseg == 1:
         _launch_scan(
             (N * HV * cdiv(V, BV),),
-            (*args, h0, final, Hin, E, *rest, None, HV, T, 1),
+            (*args, h0, final, Hin, E, *rest, None, slots, nslot, HV, T, 1),
             dict(meta, USE_INITIAL_STATE=h0 is not None, PHASE=0),
         )
         return Hin, E
@@ -336,35 +362,43 @@ def chunk_state(
     meta.update(launch("scan_split"))
     _launch_scan(
         (N * (nseg - 1) * HV * (cdiv(V, BV) + cdiv(K, BV)),),
-        (*args, None, None, Hin, E, *rest, MB, HV, T, nseg),
+        (*args, None, None, Hin, E, *rest, MB, None, 0, HV, T, nseg),
         # no user state in PHASE 1: the K-first kernel serves both layouts
-        dict(meta, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, PHASE=1, STATE_V_FIRST=False),
+        dict(meta, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, PHASE=1, STATE_V_FIRST=False, USE_SLOTS=False),
     )
-    Sin = segment_states(MB, h0, N, nseg, BV, state_v_first)
+    Sin = segment_states(MB, h0, N, nseg, BV, state_v_first, state_indices=slots)
     _launch_scan(
         (N * nseg * HV * cdiv(V, BV),),
-        (*args, Sin, final, Hin, E, *rest, None, HV, T, nseg),
+        (*args, Sin, final, Hin, E, *rest, None, slots, nslot, HV, T, nseg),
         dict(meta, USE_INITIAL_STATE=True, PHASE=2),
     )
     return Hin, E
 
 
 def segment_states(
-    MB: Tensor, h0: Tensor | None, N: int, nseg: int, BV: int, state_v_first: bool, reverse: bool = False
+    MB: Tensor,
+    h0: Tensor | None,
+    N: int,
+    nseg: int,
+    BV: int,
+    state_v_first: bool,
+    reverse: bool = False,
+    state_indices: Tensor | None = None,
 ) -> Tensor:
     """The state at each segment's boundary, ``[N * nseg, HV, K, V]`` (``[K, V]`` whatever the user's layout), from
-    the segments' maps ``MB [N * (nseg - 1), HV, K, V + K]`` (``[B | M]``) and ``h0 [N, HV, K, V]`` (None: zero):
-    entering each segment, or with ``reverse`` the gradient leaving each (:func:`segment_states_kernel`)."""
+    the segments' maps ``MB [N * (nseg - 1), HV, K, V + K]`` (``[B | M]``) and ``h0 [N, HV, K, V]`` (None: zero; a
+    pool read at ``state_indices [N]`` when given): entering each segment, or with ``reverse`` the gradient leaving
+    each (:func:`segment_states_kernel`)."""
     _, HV, K, VK = MB.shape
     V = VK - K
     S = MB.new_empty(N * nseg, HV, K, V)
     poison(S)
     _launch_segments(
         (N * HV * cdiv(V, BV),),
-        (MB, h0, S, HV, nseg),
+        (MB, h0, S, state_indices, 0 if h0 is None else h0.shape[0], HV, nseg),
         dict(K=K, V=V, BK=pow2(K), BV=BV, BKC=min(32, pow2(K)), USE_INITIAL_STATE=h0 is not None, PREC="ieee",
              DT=compute_dtype(MB), **launch("segments"), **pdl(MB.device), STATE_V_FIRST=state_v_first,
-             REVERSE=reverse),
+             REVERSE=reverse, USE_SLOTS=state_indices is not None),
     )  # fmt: skip
     return S
 
