@@ -280,19 +280,71 @@ def test_chunk_prefill_with_the_split_scan() -> None:
     x = make_inputs(2, 256, H, K, V, HV=HV, seed=7)
     pool = make_state(S, HV, K, V)
     idx = torch.tensor([3, 0])
+    ckpt = {"checkpoint_every": 128, "checkpoint_indices": torch.tensor([[1, -1], [4, 5]])}  # after 128 and 256
     with ops.cpu_backend("triton"), poison_outputs():
         p1, p3 = pool.clone(), pool.clone()
-        o1 = kda_ops.chunk_kda_update_(**x, state_pool=p1, state_indices=idx)
+        o1 = kda_ops.chunk_kda_update_(**x, state_pool=p1, state_indices=idx, **ckpt)
         with force_forms(scan_segments=3):
-            o3 = kda_ops.chunk_kda_update_(**x, state_pool=p3, state_indices=idx)
+            o3 = kda_ops.chunk_kda_update_(**x, state_pool=p3, state_indices=idx, **ckpt)
     torch.testing.assert_close(o3, o1, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(p3, p1, rtol=1e-5, atol=1e-6)
-    assert not torch.equal(p1[3], pool[3]) and torch.equal(p1[1], pool[1])
+    assert not torch.equal(p1[3], pool[3]) and torch.equal(p1[2], pool[2])
+    torch.testing.assert_close(p1[5], p1[0], rtol=0, atol=0)  # the checkpoint after all 256 tokens: the final state
+    assert not torch.equal(p1[1], pool[1]) and not torch.equal(p1[4], pool[4])
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "packed"])
+def test_chunk_prefill_writes_prefix_checkpoints(backend: str, varlen: bool) -> None:
+    """Checkpoints every 64 tokens: each slot holds the state after that many tokens of its sequence (``chunk_kda``
+    on the prefix alone); -1 columns, checkpoints past a sequence's end and padding sequences write nothing."""
+    S2 = 16
+    if varlen:
+        x = make_inputs(1, 300, H, K, V, HV=HV, seed=9)
+        cu: torch.Tensor | None = torch.tensor([0, 192, 300])
+        bounds = [(0, 0, 192), (0, 192, 300)]
+    else:
+        x = make_inputs(2, 150, H, K, V, HV=HV, seed=9)
+        cu = None
+        bounds = [(0, 0, 150), (1, 0, 150)]
+    pool = make_state(S2, HV, K, V)
+    idx = torch.tensor([0, 1])
+    ckpt = torch.tensor([[2, 3, 4, 5], [6, -1, 8, 9]])
+    p = pool.clone()
+    kda_ops.chunk_kda_update_(**x, state_pool=p, state_indices=idx, cu_seqlens=cu, checkpoint_every=64,
+                              checkpoint_indices=ckpt)  # fmt: skip
+    written = {0, 1}
+    for n, (b, bos, eos) in enumerate(bounds):
+        for m in range(4):
+            end = bos + 64 * (m + 1)
+            slot = int(ckpt[n, m])
+            if slot < 0 or end > eos:
+                continue
+            _, s_ref = kda_ops.chunk_kda(**{k_: t[b : b + 1, bos:end] for k_, t in x.items()},
+                                         initial_state=pool[idx[n : n + 1]], output_final_state=True)  # fmt: skip
+            assert s_ref is not None
+            torch.testing.assert_close(p[slot], s_ref[0], rtol=1e-5, atol=1e-6)
+            written.add(slot)
+    rest = [i for i in range(S2) if i not in written]
+    assert torch.equal(p[rest], pool[rest])
+    assert written >= ({0, 1, 2, 3, 4, 6} if varlen else {0, 1, 2, 3, 6})
 
 
 def test_chunk_prefill_validation_names_the_argument() -> None:
     x = make_inputs(2, 4, H, K, V, HV=HV)
     pool = make_state(S, HV, K, V)
+    two = torch.tensor([0, 1])
+    for every, ckpt, exc, name in [
+        (64, None, ValueError, "checkpoint_every"),
+        (None, torch.tensor([[2], [3]]), ValueError, "checkpoint_every"),
+        (100, torch.tensor([[2], [3]]), ValueError, "checkpoint_every"),
+        (64, torch.tensor([2, 3]), ValueError, "checkpoint_indices"),
+        (64, torch.tensor([[2.0], [3.0]]), TypeError, "checkpoint_indices"),
+        (64, torch.tensor([[1], [3]]), ValueError, "checkpoint_indices"),
+        (64, torch.tensor([[S], [3]]), ValueError, "checkpoint_indices"),
+    ]:
+        with pytest.raises(exc, match=name):
+            kda_ops.chunk_kda_update_(**x, state_pool=pool, state_indices=two, checkpoint_every=every,
+                                      checkpoint_indices=ckpt)  # fmt: skip
     with pytest.raises(ValueError, match="state_indices"):
         kda_ops.chunk_kda_update_(**x, state_pool=pool, state_indices=torch.tensor([[0, 1], [2, 3]]))
     with pytest.raises(ValueError, match="state_indices"):

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from kda_ops import checks, ops
-from kda_ops.common import num_sequences, state_shape
+from kda_ops.common import CHUNK_SIZE, num_sequences, state_shape
 
 MAX_HEAD_DIM = 256
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -528,6 +528,8 @@ def chunk_kda_update_(
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
     state_v_first: bool = False,
+    checkpoint_every: int | None = None,
+    checkpoint_indices: Tensor | None = None,
 ) -> Tensor:
     """Chunked prefill into a pool of states: :func:`chunk_kda` from each sequence's slot, its final state written
     back into that slot, in place (no gather or scatter copy of the states). Not differentiable.
@@ -536,6 +538,14 @@ def chunk_kda_update_(
     (``state_indices [N]``; -1: padding, its output rows zero, the pool untouched): the same step by the chunkwise
     schedule, for prompts long enough that chunks pay (a few hundred tokens and up). Capturable in a CUDA graph
     and traceable by ``torch.compile(fullgraph=True)``, which updates the pool in place.
+
+    Args:
+        checkpoint_every: with ``checkpoint_indices``, a positive multiple of 64 (the chunk size): prefix
+            checkpoints every that many tokens.
+        checkpoint_indices: ``[N, C]`` int32/int64 (optional): the state after ``(m + 1) * checkpoint_every``
+            tokens of sequence ``n`` is also written to slot ``checkpoint_indices[n, m]`` (-1: not written; a
+            checkpoint past the sequence's end is not written), so a prefix cache can resume from it. The slots
+            must differ from each other and from ``state_indices``'s.
 
     Returns:
         o: ``[B, T, HV, V]`` in v's dtype.
@@ -552,12 +562,44 @@ def chunk_kda_update_(
     if isinstance(state_indices, Tensor) and state_indices.dim() != 1:
         _fail(ValueError, "state_indices", "[N] (one slot per sequence)", list(state_indices.shape))
     _validate_pool(q, v, state_pool, state_indices, cu_seqlens, state_v_first)
+    every = _checkpoints(q, state_pool, state_indices, checkpoint_every, checkpoint_indices)
     if checks.active(g):
         checks.check_gate_and_beta(g, beta, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     return ops.run_chunk_update(
         q, k, v, g, beta, state_pool, state_indices, s, cu_seqlens, A_log, dt_bias, bound, use_qk_l2norm_in_kernel,
-        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
+        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, every, checkpoint_indices,
     )  # fmt: skip
+
+
+def _checkpoints(
+    q: Tensor, state_pool: Tensor, state_indices: Tensor, every: int | None, idx: Tensor | None
+) -> int:
+    """Check the prefix checkpoints of :func:`chunk_kda_update_`; their spacing as the op's argument (0: none)."""
+    if idx is None:
+        if every is not None:
+            _fail(ValueError, "checkpoint_every", "None without checkpoint_indices", every)
+        return 0
+    if not isinstance(idx, Tensor):
+        _fail(TypeError, "checkpoint_indices", "a torch.Tensor", type(idx).__name__)
+    if idx.dtype not in (torch.int32, torch.int64):
+        _fail(TypeError, "checkpoint_indices", "an int32 or int64 tensor", idx.dtype)
+    N = state_indices.shape[0]
+    if idx.dim() != 2 or idx.shape[0] != N:
+        _fail(ValueError, "checkpoint_indices", f"[N, C] with N = {N}", list(idx.shape))
+    if idx.device != q.device:
+        _fail(ValueError, "checkpoint_indices", f"a tensor on q's device {q.device}", idx.device)
+    if isinstance(every, bool) or not isinstance(every, int) or every <= 0 or every % CHUNK_SIZE:
+        _fail(ValueError, "checkpoint_every", f"a positive multiple of {CHUNK_SIZE} (the chunk size)", every)
+    if (idx.device.type == "cpu" and not torch.compiler.is_compiling()) or checks.active(idx):
+        used = [i for i in idx.flatten().tolist() + state_indices.tolist() if i >= 0]  # sync-ok: as for the slots
+        S = state_pool.shape[0]
+        if any(i >= S for i in used) or idx.min().item() < -1:  # sync-ok: as above
+            _fail(ValueError, "checkpoint_indices", f"slots in [0, {S}) or -1", idx.tolist())
+        if len(set(used)) != len(used):
+            _fail(ValueError, "checkpoint_indices", "slots distinct from each other and from state_indices",
+                  idx.tolist())  # fmt: skip
+    assert every is not None
+    return every
 
 
 def kda_gate(

@@ -39,9 +39,11 @@ Schemas (``torch.ops.kda.*``)::
         after its t-th token to slot state_indices[n, t]; write_states=False writes no state. Defined with
         Library.define rather than custom_op (eager overhead, see its section), not differentiable
     chunk_update_(q, k, v, g, beta, Tensor(a!) state_pool, Tensor state_indices, float scale, Tensor? cu_seqlens,
-                  Tensor? A_log, Tensor? dt_bias, float? lower_bound, bool x 4, bool state_v_first=False) -> Tensor o
+                  Tensor? A_log, Tensor? dt_bias, float? lower_bound, bool x 4, bool state_v_first=False,
+                  int checkpoint_every=0, Tensor? checkpoint_indices=None) -> Tensor o
         the chunkwise schedule of the serving step (chunked prefill into the pool): each sequence from its slot,
-        its final state back into it, in place
+        its final state back into it, in place; with checkpoint_indices [N, C] also the state after every
+        checkpoint_every tokens into slot checkpoint_indices[n, m]
     state_v_first (every op with a state): the states in and out, their gradients and the pool are [N, HV, V, K]
         (the layout of vLLM's and SGLang's pools) instead of [N, HV, K, V]; the kernels read and write that layout
         in place, the reference transposes at its boundary
@@ -552,7 +554,8 @@ _lib.define(
     "chunk_update_(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state_pool, "
     "Tensor state_indices, float scale, Tensor? cu_seqlens, Tensor? A_log, Tensor? dt_bias, float? lower_bound, "
     "bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, "
-    "bool allow_neg_eigval, bool state_v_first=False) -> Tensor"
+    "bool allow_neg_eigval, bool state_v_first=False, int checkpoint_every=0, Tensor? checkpoint_indices=None) "
+    "-> Tensor"
 )
 
 
@@ -574,6 +577,8 @@ def _chunk_update_impl(
     use_beta_sigmoid_in_kernel: bool,
     allow_neg_eigval: bool,
     state_v_first: bool = False,
+    checkpoint_every: int = 0,
+    checkpoint_indices: Optional[Tensor] = None,
 ) -> Tensor:
     opts = _options(
         lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
@@ -582,7 +587,8 @@ def _chunk_update_impl(
     op = "chunk_update_"
     kernel = _triton_kernel(op) if uses_triton(op, q.device, q, v) else reference.chunk_update
     torch.autograd.graph.increment_version(state_pool)
-    o: Tensor = kernel(q, k, v, g, beta, state_pool, state_indices, scale, cu_seqlens, A_log, dt_bias, opts)
+    o: Tensor = kernel(q, k, v, g, beta, state_pool, state_indices, scale, cu_seqlens, A_log, dt_bias, opts,
+                       checkpoint_every, checkpoint_indices)  # fmt: skip
     return o
 
 
@@ -845,14 +851,17 @@ def run_chunk_update(
     use_beta_sigmoid_in_kernel: bool,
     allow_neg_eigval: bool,
     state_v_first: bool = False,
+    checkpoint_every: int = 0,
+    checkpoint_indices: Optional[Tensor] = None,
 ) -> Tensor:
     """``kda::chunk_update_`` on validated arguments: the pool updated in place; ``o``."""
     op = chunk_update_
-    tensors = (q, k, v, g, beta, state_pool, state_indices, cu_seqlens, A_log, dt_bias)
+    tensors = (q, k, v, g, beta, state_pool, state_indices, cu_seqlens, A_log, dt_bias, checkpoint_indices)
     fn = _direct(op, tensors) or op
     o: Tensor = fn(
         q, k, v, g, beta, state_pool, state_indices, scale, cu_seqlens, A_log, dt_bias, lower_bound,
         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
+        checkpoint_every, checkpoint_indices,
     )  # fmt: skip
     return o
 

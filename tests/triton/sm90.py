@@ -40,7 +40,7 @@ PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", 
 
 # Constexprs that every variant takes as an H200 launch does: the forward's kernels open with pdl_enter; the scans
 # read the user's states, not a pool's slots, unless a variant says so.
-DEFAULTS: dict[str, Any] = {"PDL": True, "USE_SLOTS": False}
+DEFAULTS: dict[str, Any] = {"PDL": True, "USE_SLOTS": False, "USE_CKPT": False}
 
 # Spill bound of the chunk backward's kernels (bytes of local stack per thread): the dq/dk stage spilled 3 KB before
 # its diagonal blocks went column by column, the dv stage 552 B at 64-wide tiles, the recompute's exact-fp32 solve
@@ -165,7 +165,7 @@ def chunk_variants() -> dict[str, Variant]:
             x_form: bool = False, phase: int = 0, v_first: bool = False) -> dict[str, Any]:  # fmt: skip
         return dict(W=store, U=store, Kend=store, Gl=F32, h0=F32, final=F32, Hin=store,
                     E=store, Nk=F32 if norms else None, cu=I64, chunk_off=I64, MB=F32 if phase == 1 else None,
-                    Slots=None, NSLOT=0, HV=32,
+                    Slots=None, NSLOT=0, Ckpt=None, NCKPT=0, CKPT_EVERY=0, HV=32,
                     T=1000, NSEG=1 if phase == 0 else 7, K=K, V=V,
                     BK=max(16, triton.next_power_of_2(K)), BV=BV, BT=64, USE_INITIAL_STATE=True,
                     STORE_FINAL_STATE=True, PREC_SCAN=prec, DT=tl.float32, NORMS=norms, X_FORM=x_form,
@@ -201,10 +201,13 @@ def chunk_variants() -> dict[str, Variant]:
         "split scan pass 2 bf16 K=V=128 BV=32 norms X form V-first": ("chunk.scan", scan.chunk_state_kernel,
             scn(128, 128, 32, norms=True, x_form=True, phase=2, v_first=True), 4, 1),
         "segment states fp32 K=V=128 V-first": ("chunk.scan", scan.segment_states_kernel, seg(128, 128, True), 4, 1),
-        "scan bf16 K=V=128 BV=32 norms X form, pool slots": ("chunk.scan", scan.chunk_state_kernel,
-            dict(scn(128, 128, 32, norms=True, x_form=True), Slots=I64, NSLOT=9, USE_SLOTS=True), 8, 1),
-        "split scan pass 2 bf16 K=V=128 BV=32 norms X form, pool slots": ("chunk.scan", scan.chunk_state_kernel,
-            dict(scn(128, 128, 32, norms=True, x_form=True, phase=2), Slots=I64, NSLOT=9, USE_SLOTS=True), 4, 1),
+        "scan bf16 K=V=128 BV=32 norms X form, pool slots and checkpoints": ("chunk.scan", scan.chunk_state_kernel,
+            dict(scn(128, 128, 32, norms=True, x_form=True), Slots=I64, NSLOT=9, USE_SLOTS=True, Ckpt=I64, NCKPT=3,
+                 CKPT_EVERY=128, USE_CKPT=True), 8, 1),
+        "split scan pass 2 bf16 K=V=128 BV=32 norms X form, pool slots and checkpoints": (
+            "chunk.scan", scan.chunk_state_kernel,
+            dict(scn(128, 128, 32, norms=True, x_form=True, phase=2), Slots=I64, NSLOT=9, USE_SLOTS=True, Ckpt=I64,
+                 NCKPT=3, CKPT_EVERY=128, USE_CKPT=True), 4, 1),
         "segment states fp32 K=V=128, pool slots": ("chunk.scan", scan.segment_states_kernel,
             dict(seg(128, 128), Slots=I64, NSLOT=9, USE_SLOTS=True), 4, 1),
         **{f"output norms bf16 K=V={K} BV={bv}": ("chunk.output", output.chunk_output_kernel, dict(Qt=BF, Mqk=BF,

@@ -232,7 +232,7 @@ def cdiv(a: int, b: int) -> int:
 # ``kda_ops.warmup`` on short inputs could compile inside a CUDA-graph capture. Neither is read in a way that
 # vectorizes (scalar slot bounds, one factor per row).
 jit_any_length = triton.jit(
-    do_not_specialize=["B", "T", "NC", "nch", "NI", "NSEG", "NSLOT"],
+    do_not_specialize=["B", "T", "NC", "nch", "NI", "NSEG", "NSLOT", "NCKPT", "CKPT_EVERY"],
     do_not_specialize_on_alignment=["slot_start", "slot_count", "cu", "chunk_off", "Nk", "Nq", "Nrm", "Rqk"],
 )
 

@@ -169,13 +169,58 @@ def chunk_update(
     A_log: Tensor | None,
     dt_bias: Tensor | None,
     opts: Options,
+    checkpoint_every: int = 0,
+    checkpoint_indices: Tensor | None = None,
 ) -> Tensor:
     """The CPU kernel of ``torch.ops.kda.chunk_update_``: :func:`chunk_fwd` from each sequence's pool slot, its
-    final state written back there in place (:mod:`kda_ops.reference.pool`); returns ``o``."""
+    final state written back there in place (:mod:`kda_ops.reference.pool`); returns ``o``. With
+    ``checkpoint_indices [N, C]``, the state after ``(m + 1) * checkpoint_every`` tokens of each real sequence goes
+    to slot ``checkpoint_indices[n, m]`` (-1, or past the sequence's end: none), each computed on its own by
+    :func:`chunk_fwd` over that prefix (reading the lengths on the host: the CPU kernel)."""
     h0, slot, valid = read_slots(state_pool, state_indices)
     o, final = chunk_fwd(q, k, v, g, beta, scale, h0, cu_seqlens, A_log, dt_bias, opts, True)
+    if checkpoint_indices is not None:
+        _checkpoints(q, k, v, g, beta, scale, h0, cu_seqlens, A_log, dt_bias, opts, state_pool, valid,
+                     checkpoint_every, checkpoint_indices)  # fmt: skip
     write_slots(state_pool, slot, valid, final)
     return zero_padding_rows(o, valid, cu_seqlens)
+
+
+def _checkpoints(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    h0: Tensor,
+    cu_seqlens: Tensor | None,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    opts: Options,
+    state_pool: Tensor,
+    valid: Tensor,
+    every: int,
+    idx: Tensor,
+) -> None:
+    """The prefix states of :func:`chunk_update`'s checkpoints into their slots."""
+    B, T = q.shape[:2]
+    if cu_seqlens is None:
+        rows = [(n, 0, T) for n in range(B)]
+    else:
+        cu = cu_seqlens.tolist()  # sync-ok: the CPU kernel of the op
+        rows = [(0, cu[n], cu[n + 1]) for n in range(len(cu) - 1)]
+    S = state_pool.shape[0]
+    slots = idx.tolist()  # sync-ok: as above
+    for n, ok in enumerate(valid.tolist()):  # sync-ok: as above
+        b, bos, eos = rows[n]
+        for m, slot in enumerate(slots[n]):
+            end = bos + (m + 1) * every
+            if not ok or end > eos or not 0 <= slot < S:
+                continue
+            qp, kp, vp, gp, bp = (x[b : b + 1, bos:end] for x in (q, k, v, g, beta))
+            _, s = chunk_fwd(qp, kp, vp, gp, bp, scale, h0[n : n + 1], None, A_log, dt_bias, opts, True)
+            state_pool[slot] = s[0].to(state_pool.dtype)
 
 
 __all__ = ["ChunkState", "chunk_fwd", "chunk_fwd_states", "chunk_update", "flatten_inputs", "forward_chunks"]

@@ -87,6 +87,7 @@ def _forward(
     states: bool,
     pool: Tensor | None = None,
     state_indices: Tensor | None = None,
+    checkpoints: tuple[Tensor, int] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """:func:`chunk_fwd`'s outputs, and with ``states`` the state entering each chunk. With ``pool`` and
     ``state_indices`` (:func:`chunk_update`; ``initial_state`` None) the scan reads each sequence's initial state
@@ -120,7 +121,7 @@ def _forward(
     Hin, X = chunk_state(
         W=f.Kt, U=vf, Kend=f.Kb, Gl=f.Gl, h0=h0, cu=cu, precision=p,
         final=pool if pool is not None else final if output_final_state else None, offsets=slots.offset, norms=f.Nrm,
-        x_form=True, state_v_first=opts.state_v_first, state_indices=state_indices,
+        x_form=True, state_v_first=opts.state_v_first, state_indices=state_indices, checkpoints=checkpoints,
     )
     # stage 5: O = Qt S + Mqk E = Qt S + (Mqk Tb) X, parallel over chunks
     chunk_output(
@@ -145,12 +146,17 @@ def chunk_update(
     A_log: Tensor | None,
     dt_bias: Tensor | None,
     opts: Options,
+    checkpoint_every: int = 0,
+    checkpoint_indices: Tensor | None = None,
 ) -> Tensor:
     """The kernel of ``kda::chunk_update_``: the chunkwise forward from and back into ``state_pool`` (``[S, HV, K,
     V]``, ``[S, HV, V, K]`` with ``opts.state_v_first``) at ``state_indices [N]``, in place, no gather or scatter
-    copy; ``o`` with a padding sequence's rows (slot -1) zero (its state is neither read nor written)."""
+    copy; ``o`` with a padding sequence's rows (slot -1) zero (its state is neither read nor written). With
+    ``checkpoint_indices [N, C]`` the scan also writes the state after every ``checkpoint_every`` tokens (a multiple
+    of the chunk size) of sequence ``n`` to slot ``checkpoint_indices[n, m]``."""
+    ckpt = None if checkpoint_indices is None else (checkpoint_indices, checkpoint_every)
     o, _, _ = _forward(q, k, v, g, beta, scale, None, cu_seqlens, A_log, dt_bias, opts, False, None, states=False,
-                       pool=state_pool, state_indices=state_indices)  # fmt: skip
+                       pool=state_pool, state_indices=state_indices, checkpoints=ckpt)  # fmt: skip
     valid = (state_indices >= 0) & (state_indices < state_pool.shape[0])
     return zero_padding_rows(o, valid, cu_seqlens)
 

@@ -148,11 +148,11 @@ def user_state(Slots, NSLOT, i_n, i_hv, HV, K: tl.constexpr, V: tl.constexpr, US
 
 @jit_any_length
 def chunk_state_kernel(
-    W, U, Kend, Gl, h0, final, Hin, E, Nk, cu, chunk_off, MB, Slots, NSLOT, HV, T, NSEG,
+    W, U, Kend, Gl, h0, final, Hin, E, Nk, cu, chunk_off, MB, Slots, NSLOT, Ckpt, NCKPT, CKPT_EVERY, HV, T, NSEG,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, PREC_SCAN: tl.constexpr, DT: tl.constexpr,
     NORMS: tl.constexpr, X_FORM: tl.constexpr, PHASE: tl.constexpr, PDL: tl.constexpr, STATE_V_FIRST: tl.constexpr,
-    USE_SLOTS: tl.constexpr = False,
+    USE_SLOTS: tl.constexpr = False, USE_CKPT: tl.constexpr = False,
 ):  # fmt: skip
     pdl_enter(PDL)
     # one grid axis (the others stop at 65535), value tiles of one head adjacent: they share W and Kend in L2
@@ -179,6 +179,8 @@ def chunk_state_kernel(
     u_off, u_ok = user_state(Slots, NSLOT, i_n, i_hv, HV, K, V, USE_SLOTS)
     m_u_s = m_s & (p_s * 0 + u_ok != 0)  # a padding slot is neither read nor written
     n_chunks = tl.cdiv(eos - bos, BT).to(tl.int32)
+    seq_len = eos - bos
+    j0 = n_chunks * 0  # the first chunk of the program's run within the sequence
     if PHASE != 0:  # segment i_s: chunks [j0, j0 + L) of the sequence's n_chunks
         L = tl.cdiv(n_chunks, NSEG)
         j0 = tl.minimum(i_s * L, n_chunks)
@@ -224,6 +226,14 @@ def chunk_state_kernel(
             S = S * tl.exp(gl)[:, None] + mm(tl.trans(ke), Ec, PREC_SCAN, DT)
         else:
             S = S * tl.exp(gl)[:, None] + mm(tl.trans(ke), scale_rows(Ec, nk, NORMS), PREC_SCAN, DT)
+        if USE_CKPT and PHASE != 1:  # the state after every CKPT_EVERY tokens into its slot Ckpt[i_n, m]
+            done = (j0 + j + 1).to(tl.int64) * BT
+            ck_m = done // CKPT_EVERY - 1
+            hit = (done <= seq_len) & (done % CKPT_EVERY == 0) & (ck_m < NCKPT)
+            ck = tl.load(Ckpt + i_n * NCKPT + tl.where(hit, ck_m, 0), mask=hit, other=-1).to(tl.int64)
+            ck_ok = (hit & (ck >= 0) & (ck < NSLOT)).to(tl.int32)
+            tl.store(final + (tl.where(ck_ok != 0, ck, 0) * HV + i_hv) * K * V + p_u, S.to(final.dtype.element_ty),
+                     mask=m_s & (p_s * 0 + ck_ok != 0))  # fmt: skip
         tok += BT
         m = tok < eos
         w, u, ke, gl, nk = w_n, u_n, ke_n, gl_n, nk_n
@@ -308,6 +318,7 @@ def chunk_state(
     x_form: bool = False,
     state_v_first: bool = False,
     state_indices: Tensor | None = None,
+    checkpoints: tuple[Tensor, int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Run the scan over the chunks of every sequence of ``cu`` (sanitized, int64, over the flat token stream).
 
@@ -328,6 +339,9 @@ def chunk_state(
 
     ``state_indices [N]``: ``h0`` and ``final`` are one pool ``[S, HV, ...]``; sequence ``n`` starts from slot
     ``state_indices[n]`` and its final state is written back there (a negative slot: from zero, not written).
+    ``checkpoints = (idx [N, C], every)`` (with ``state_indices``; ``every`` a multiple of the chunk size): the state
+    after ``(m + 1) * every`` tokens of sequence ``n`` also goes to pool slot ``idx[n, m]`` (-1 or past the
+    sequence's end: not written).
     """
     T, HV, K = W.shape
     V = U.shape[2]
@@ -345,13 +359,15 @@ def chunk_state(
     rest = (None if norms is None else norms[1], cu, offsets)
     slots = None if state_indices is None else contiguous(state_indices)
     nslot = 0 if slots is None or h0 is None else h0.shape[0]
+    ckpt, nckpt, every = (None, 0, 0) if checkpoints is None else (contiguous(checkpoints[0]),
+                                                                    checkpoints[0].shape[1], checkpoints[1])
     meta = dict(K=K, V=V, BK=pow2(K), BV=BV, BT=BT, STORE_FINAL_STATE=final is not None, PREC_SCAN=precision.scan,
                 DT=DT, NORMS=norms is not None, X_FORM=x_form, STATE_V_FIRST=state_v_first,
-                USE_SLOTS=slots is not None, **launch("scan"), **pdl(W.device))  # fmt: skip
+                USE_SLOTS=slots is not None, USE_CKPT=ckpt is not None, **launch("scan"), **pdl(W.device))  # fmt: skip
     if nseg == 1:
         _launch_scan(
             (N * HV * cdiv(V, BV),),
-            (*args, h0, final, Hin, E, *rest, None, slots, nslot, HV, T, 1),
+            (*args, h0, final, Hin, E, *rest, None, slots, nslot, ckpt, nckpt, every, HV, T, 1),
             dict(meta, USE_INITIAL_STATE=h0 is not None, PHASE=0),
         )
         return Hin, E
@@ -362,14 +378,15 @@ def chunk_state(
     meta.update(launch("scan_split"))
     _launch_scan(
         (N * (nseg - 1) * HV * (cdiv(V, BV) + cdiv(K, BV)),),
-        (*args, None, None, Hin, E, *rest, MB, None, 0, HV, T, nseg),
+        (*args, None, None, Hin, E, *rest, MB, None, 0, None, 0, 0, HV, T, nseg),
         # no user state in PHASE 1: the K-first kernel serves both layouts
-        dict(meta, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, PHASE=1, STATE_V_FIRST=False, USE_SLOTS=False),
+        dict(meta, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, PHASE=1, STATE_V_FIRST=False, USE_SLOTS=False,
+             USE_CKPT=False),
     )
     Sin = segment_states(MB, h0, N, nseg, BV, state_v_first, state_indices=slots)
     _launch_scan(
         (N * nseg * HV * cdiv(V, BV),),
-        (*args, Sin, final, Hin, E, *rest, None, slots, nslot, HV, T, nseg),
+        (*args, Sin, final, Hin, E, *rest, None, slots, nslot, ckpt, nckpt, every, HV, T, nseg),
         dict(meta, USE_INITIAL_STATE=True, PHASE=2),
     )
     return Hin, E
