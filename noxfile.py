@@ -171,14 +171,13 @@ def gpu(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks in the machine's own Python.
 
-    ``nox -s bench`` runs benchmarks/bench_recurrent.py, bench_chunk.py, bench_chunk_bwd.py and bench_prefill.py;
-    ``nox -s bench -- chunk`` only the
-    second; arguments after a second ``--`` go to every script: ``nox -s bench -- chunk -- --quick``.
+    ``nox -s bench`` runs benchmarks/bench_recurrent.py, bench_chunk.py, bench_chunk_bwd.py, bench_prefill.py and
+    bench_serving.py; ``nox -s bench -- chunk`` only the second; arguments after a second ``--`` go to every script: ``nox -s bench -- chunk -- --quick``.
     """
     args = list(session.posargs)
     cut = args.index("--") if "--" in args else len(args)
     names, script_args = args[:cut], args[cut + 1 :]
-    names = names or ["recurrent", "chunk", "chunk_bwd", "prefill"]
+    names = names or ["recurrent", "chunk", "chunk_bwd", "prefill", "serving"]
     scripts = [ROOT / "benchmarks" / (n if n.endswith(".py") else f"bench_{n}.py") for n in names]
     found = [s for s in scripts if s.exists()]
     if len(found) != len(scripts) and args[:cut]:

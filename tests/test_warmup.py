@@ -29,9 +29,9 @@ def test_warmup_passes_each_function_only_its_own_options() -> None:
     chunk = keywords(kda_ops.chunk_kda)
     assert chunk - set(_warmup._CHUNK_ONLY) == keywords(kda_ops.recurrent_kda)
     serving = keywords(kda_ops.recurrent_kda_update_)
-    assert chunk - set(_warmup._NOT_SERVING) == serving - set(_warmup._SERVING_ONLY) == keywords(
-        kda_ops.chunk_kda_update_
-    )
+    prefill = keywords(kda_ops.chunk_kda_update_)
+    assert chunk - set(_warmup._NOT_SERVING) == serving - set(_warmup._SERVING_ONLY)
+    assert chunk - set(_warmup._NOT_SERVING) == prefill - set(_warmup._PREFILL_ONLY)
 
 
 def test_warmup_names_an_argument_that_is_not_a_tensor() -> None:

@@ -39,6 +39,8 @@ _CHUNK_ONLY = ("recompute_in_backward", "return_intermediate_states")
 _NOT_SERVING = ("initial_state", "output_final_state", *_CHUNK_ONLY)
 # keyword arguments of the recurrent serving step that chunk_kda does not take (its speculative forms)
 _SERVING_ONLY = ("num_accepted_tokens", "write_states")
+# and those of the chunkwise prefill into the pool (its checkpoints: a form warmup compiles)
+_PREFILL_ONLY = ("checkpoint_every", "checkpoint_indices")
 
 
 def _without(kwargs: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
@@ -79,6 +81,8 @@ def warmup(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kwargs: A
             slots = torch.arange(N, device=q.device, dtype=dtype)
             recurrent_kda_update_(q, k, v, g, beta, pool, slots, **options)
             chunk_kda_update_(q, k, v, g, beta, pool, slots, **options)
+            none = torch.full((N, 1), -1, device=q.device, dtype=dtype)  # the checkpoints' form, nothing written
+            chunk_kda_update_(q, k, v, g, beta, pool, slots, **options, checkpoint_every=64, checkpoint_indices=none)
             # the speculative verify step (its form depends on no shape): a slot per token of every sequence
             if N and q.shape[1]:
                 cu = kwargs.get("cu_seqlens")
