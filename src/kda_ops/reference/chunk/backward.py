@@ -17,7 +17,7 @@ from kda_ops.reference.chunk.common import (
     DEFAULT_CHUNK_SIZE,
     gather,
     pairwise_bwd,
-    pairwise_decay,
+    pairwise_product,
     scatter,
     stack_slots,
 )
@@ -96,7 +96,7 @@ def chunk_bwd(
     dT = dE_all @ (b * st.v).transpose(-1, -2) + dW @ (b * Kt).transpose(-1, -2)
     dMkk = -(TmT @ dT @ TmT).tril(-1)
     # Mkk = beta_i P_ij: recompute P rather than divide by beta
-    P = torch.einsum("...id,...jd,...ijd->...ij", st.k, st.k, pairwise_decay(st.Gam, strict=True))
+    P = pairwise_product(st.k, st.k, st.Gam, strict=True)
     dbeta = dbeta + (dMkk * P).sum(-1)
     dq1, dk1, dGam = pairwise_bwd(st.q, st.k, st.Gam, scale * dMqk, strict=False)
     dka, dkb, dGam2 = pairwise_bwd(st.k, st.k, st.Gam, b * dMkk, strict=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kda_ops.reference.chunk.common import expand_heads, gather, pairwise_bwd, pairwise_decay, scatter, slot_index
+from kda_ops.reference.chunk.common import expand_heads, gather, pairwise_bwd, pairwise_product, scatter, slot_index
 from kda_ops.varlen import ChunkSlots
 
 
@@ -31,7 +31,7 @@ def dqk(
     b = bc.unsqueeze(-1)
     dQt = dOc @ Hin.transpose(-1, -2)
     dKend = Ec @ dSp.transpose(-1, -2)
-    P = torch.einsum("...id,...jd,...ijd->...ij", kc, kc, pairwise_decay(Gc, strict=True))
+    P = pairwise_product(kc, kc, Gc, strict=True)
     dbc = dbc + (dMc * P).sum(-1)
     dq1, dk1, dGam = pairwise_bwd(qc, kc, Gc, scale * dAc, strict=False)
     dka, dkb, dGam2 = pairwise_bwd(kc, kc, Gc, b * dMc, strict=True)

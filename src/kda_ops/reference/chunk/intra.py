@@ -10,17 +10,16 @@ The oracle of :mod:`kda_ops.triton.chunk.intra`. The keys' ``Kt = k exp(Gam)`` i
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from kda_ops.reference.chunk.common import chunk_local_cumsum, gather, pairwise_decay, scatter, slot_index
+from kda_ops.reference.chunk.common import chunk_local_cumsum, gather, pairwise_product, scatter, slot_index
 from kda_ops.varlen import ChunkSlots
 
 
 def intra_chunk(q: Tensor, k: Tensor, beta: Tensor, Gam: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """``Mqk`` (causal, with diagonal, scaled) and ``Mkk`` (strictly causal, times beta_i): ``[..., C, C]``."""
-    Mqk = scale * torch.einsum("...id,...jd,...ijd->...ij", q, k, pairwise_decay(Gam, strict=False))
-    Mkk = beta.unsqueeze(-1) * torch.einsum("...id,...jd,...ijd->...ij", k, k, pairwise_decay(Gam, strict=True))
+    Mqk = scale * pairwise_product(q, k, Gam, strict=False)
+    Mkk = beta.unsqueeze(-1) * pairwise_product(k, k, Gam, strict=True)
     return Mqk, Mkk
 
 
