@@ -329,6 +329,32 @@ def test_chunk_prefill_writes_prefix_checkpoints(backend: str, varlen: bool) -> 
     assert written >= ({0, 1, 2, 3, 4, 6} if varlen else {0, 1, 2, 3, 6})
 
 
+def test_chunk_prefill_padding_sequence_writes_no_checkpoint(backend: str) -> None:
+    """A padding sequence (slot -1) leaves its checkpoint slots alone too; an empty checkpoint table and an empty
+    pool are accepted."""
+    x = make_inputs(2, 128, H, K, V, HV=HV, seed=10)
+    pool = make_state(S, HV, K, V)
+    p = pool.clone()
+    kda_ops.chunk_kda_update_(**x, state_pool=p, state_indices=torch.tensor([0, -1]), checkpoint_every=64,
+                              checkpoint_indices=torch.tensor([[2, 3], [4, 5]]))  # fmt: skip
+    assert torch.equal(p[[1, 4, 5]], pool[[1, 4, 5]])
+    assert not torch.equal(p[2], pool[2]) and not torch.equal(p[3], pool[3])
+    q = pool.clone()
+    kda_ops.chunk_kda_update_(**x, state_pool=q, state_indices=torch.tensor([0, 1]), checkpoint_every=64,
+                              checkpoint_indices=torch.zeros(2, 0, dtype=torch.int64))  # fmt: skip
+    o = kda_ops.chunk_kda_update_(**x, state_pool=pool[:0].clone(), state_indices=torch.tensor([-1, -1]))
+    assert torch.equal(o, torch.zeros_like(o))
+
+
+def test_chunk_update_op_refuses_a_checkpoint_spacing_off_the_chunks() -> None:
+    x = make_inputs(1, 128, H, K, V, HV=HV)
+    for every in (0, 96):
+        args = (x["q"], x["k"], x["v"], x["g"], x["beta"], make_state(S, HV, K, V), torch.tensor([0]), K**-0.5,
+                None, None, None, None, False, False, False, False, False, every, torch.tensor([[1]]))  # fmt: skip
+        with pytest.raises(ValueError, match="checkpoint_every"):
+            torch.ops.kda.chunk_update_(*args)
+
+
 def test_chunk_prefill_validation_names_the_argument() -> None:
     x = make_inputs(2, 4, H, K, V, HV=HV)
     pool = make_state(S, HV, K, V)

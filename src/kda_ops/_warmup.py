@@ -49,8 +49,9 @@ def _without(kwargs: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
 
 def warmup(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kwargs: Any) -> None:
     """Compile every Triton kernel that ``chunk_kda(q, k, v, g, beta, **kwargs)``, ``recurrent_kda(...)`` and the
-    serving steps (``recurrent_kda_update_``, its speculative verify, ``chunk_kda_update_``) on a float32 pool with
-    the same options use, for every value tile the chunk scan may pick, then wait for the device.
+    serving steps (``recurrent_kda_update_``, its speculative verify, ``chunk_kda_update_`` with and without
+    checkpoints) on a float32 pool with the same options use, for every form the chunk scan may pick, then wait for
+    the device (a bfloat16 pool's kernels compile at its first call: warm them up with a call of your own).
 
     Pass example inputs with the real ``H``, ``HV``, ``K``, ``V``, dtypes and keyword options (``initial_state``
     and ``output_final_state`` included: each combination is its own compiled kernel; ``state_v_first`` too, which
@@ -62,35 +63,43 @@ def warmup(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kwargs: A
         check_float(name, x)  # before q.device is read: a clear error for a list, as the public functions give
     if q.device.type != "cuda":
         return
-    if ops.uses_triton("chunk", q.device):
-        from kda_ops.triton import chunk_forms, force_forms  # imported lazily: triton is needed on this path only
-
-        for form in chunk_forms(v.shape[-1]):
-            with force_forms(**form):
-                chunk_kda(q, k, v, g, beta, **kwargs)
-    else:  # the reference kernel
-        chunk_kda(q, k, v, g, beta, **kwargs)
-    recurrent_kda(q, k, v, g, beta, **_without(kwargs, _CHUNK_ONLY))
-    # the serving step from a scratch pool, one slot per sequence (its options without the state arguments)
+    # the serving steps from a scratch pool, one slot per sequence (their options without the state arguments)
     N = num_sequences(q, kwargs.get("cu_seqlens"))
     shape = state_shape(N, v.shape[2], q.shape[3], v.shape[3], kwargs.get("state_v_first", False))
     pool = torch.zeros(shape, device=q.device, dtype=state_dtype(v))
     options = _without(kwargs, _NOT_SERVING)
+
+    def chunk_forms_of(fn: Any) -> None:
+        if ops.uses_triton("chunk", q.device):
+            from kda_ops.triton import chunk_forms, force_forms  # imported lazily: triton is needed here only
+
+            for form in chunk_forms(v.shape[-1]):
+                with force_forms(**form):
+                    fn()
+        else:  # the reference kernel
+            fn()
+
+    chunk_forms_of(lambda: chunk_kda(q, k, v, g, beta, **kwargs))
+    recurrent_kda(q, k, v, g, beta, **_without(kwargs, _CHUNK_ONLY))
     with torch.no_grad():  # the serving steps are not differentiable
         for dtype in (torch.int32, torch.int64):
             slots = torch.arange(N, device=q.device, dtype=dtype)
             recurrent_kda_update_(q, k, v, g, beta, pool, slots, **options)
-            chunk_kda_update_(q, k, v, g, beta, pool, slots, **options)
+            recurrent_kda_update_(q, k, v, g, beta, pool, slots, **options, write_states=False)
             none = torch.full((N, 1), -1, device=q.device, dtype=dtype)  # the checkpoints' form, nothing written
-            chunk_kda_update_(q, k, v, g, beta, pool, slots, **options, checkpoint_every=64, checkpoint_indices=none)
+            for ckpt in ({}, {"checkpoint_every": 64, "checkpoint_indices": none}):
+                chunk_forms_of(lambda ckpt=ckpt, slots=slots: chunk_kda_update_(q, k, v, g, beta, pool, slots,
+                                                                                 **options, **ckpt))  # fmt: skip
             # the speculative verify step (its form depends on no shape): a slot per token of every sequence
             if N and q.shape[1]:
                 cu = kwargs.get("cu_seqlens")
                 one = {} if cu is None else {"cu_seqlens": torch.tensor([0, 1], device=q.device, dtype=cu.dtype)}
                 q1, k1, v1, g1, b1 = (t[:1, :1] for t in (q, k, v, g, beta))
-                recurrent_kda_update_(q1, k1, v1, g1, b1, pool[:1].clone(), torch.zeros(1, 1, device=q.device,
-                                      dtype=dtype), **{**options, **one},
-                                      num_accepted_tokens=torch.ones(1, device=q.device, dtype=dtype))  # fmt: skip
+                spec = torch.zeros(1, 1, device=q.device, dtype=dtype)
+                for acc in (None, torch.ones(1, device=q.device, dtype=dtype)):
+                    for write in (True, False):
+                        recurrent_kda_update_(q1, k1, v1, g1, b1, pool[:1].clone(), spec, **{**options, **one},
+                                              num_accepted_tokens=acc, write_states=write)  # fmt: skip
     torch.cuda.synchronize(q.device)  # sync-ok: warmup runs before capture, by contract
 
 

@@ -483,8 +483,9 @@ def recurrent_kda_update_(
             sequence ``n`` starts from slot ``state_indices[n, num_accepted_tokens[n] - 1]``, the state after the
             draft tokens the previous step accepted; without it from ``state_indices[n, 0]``. With 2-D indices the
             state after the ``t``-th token of sequence ``n`` is written to slot ``state_indices[n, t]`` (-1: not
-            written); tokens past column ``T_spec - 1`` write nothing. A count outside ``[1, T_spec]``, or a first
-            slot of -1, makes the sequence padding.
+            written); tokens past column ``T_spec - 1`` of a packed sequence write nothing (a dense batch needs
+            ``T_spec >= T``). A first slot of -1 makes the sequence padding. Counts are checked in ``[1, T_spec]``
+            on the CPU in eager mode (``ValueError``); on a GPU a count outside it makes the sequence padding.
         write_states: False: read the pool and write no state at all (a verify step whose outputs alone are kept).
 
     Returns:
@@ -593,7 +594,7 @@ def _checkpoints(
     if (idx.device.type == "cpu" and not torch.compiler.is_compiling()) or checks.active(idx):
         used = [i for i in idx.flatten().tolist() + state_indices.tolist() if i >= 0]  # sync-ok: as for the slots
         S = state_pool.shape[0]
-        if any(i >= S for i in used) or idx.min().item() < -1:  # sync-ok: as above
+        if any(i >= S for i in used) or any(i < -1 for i in idx.flatten().tolist()):  # sync-ok: as above
             _fail(ValueError, "checkpoint_indices", f"slots in [0, {S}) or -1", idx.tolist())
         if len(set(used)) != len(used):
             _fail(ValueError, "checkpoint_indices", "slots distinct from each other and from state_indices",

@@ -585,6 +585,9 @@ def _chunk_update_impl(
         state_v_first,
     )  # fmt: skip
     op = "chunk_update_"
+    if checkpoint_indices is not None and (checkpoint_every <= 0 or checkpoint_every % CHUNK_SIZE):
+        raise ValueError(f"checkpoint_every: expected a positive multiple of {CHUNK_SIZE} with checkpoint_indices, "
+                         f"got {checkpoint_every}")  # fmt: skip
     kernel = _triton_kernel(op) if uses_triton(op, q.device, q, v) else reference.chunk_update
     torch.autograd.graph.increment_version(state_pool)
     o: Tensor = kernel(q, k, v, g, beta, state_pool, state_indices, scale, cu_seqlens, A_log, dt_bias, opts,

@@ -17,6 +17,8 @@ def read_slots(state_pool: Tensor, state_indices: Tensor) -> tuple[Tensor, Tenso
     idx = state_indices.to(torch.int64)
     valid = (idx >= 0) & (idx < state_pool.shape[0])
     slot = torch.where(valid, idx, torch.zeros_like(idx))
+    if state_pool.shape[0] == 0:  # no slot at all: every sequence is padding
+        return state_pool.new_zeros(idx.shape[0], *state_pool.shape[1:]), slot, valid
     h0 = torch.where(valid[:, None, None, None], state_pool.index_select(0, slot), 0.0)
     return h0, slot, valid
 
@@ -26,7 +28,7 @@ def write_slots(state_pool: Tensor, slot: Tensor, valid: Tensor, final: Tensor) 
     at a time: a padding sequence rewrites its (clamped) slot with that slot's current value, so it can never undo
     the update of a real sequence that shares the slot."""
     final = final.to(state_pool.dtype)
-    for n in range(slot.shape[0]):
+    for n in range(slot.shape[0] if state_pool.shape[0] else 0):
         cur = state_pool.index_select(0, slot[n : n + 1])
         state_pool.index_copy_(0, slot[n : n + 1], torch.where(valid[n], final[n : n + 1], cur))
 

@@ -208,7 +208,7 @@ def _checkpoints(
     if cu_seqlens is None:
         rows = [(n, 0, T) for n in range(B)]
     else:
-        cu = cu_seqlens.tolist()  # sync-ok: the CPU kernel of the op
+        cu = cu_seqlens.tolist()  # sync-ok: the reference kernel (the CPU's, or fp64 checks on a GPU)
         rows = [(0, cu[n], cu[n + 1]) for n in range(len(cu) - 1)]
     S = state_pool.shape[0]
     slots = idx.tolist()  # sync-ok: as above

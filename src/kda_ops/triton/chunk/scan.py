@@ -231,7 +231,7 @@ def chunk_state_kernel(
             ck_m = done // CKPT_EVERY - 1
             hit = (done <= seq_len) & (done % CKPT_EVERY == 0) & (ck_m < NCKPT)
             ck = tl.load(Ckpt + i_n * NCKPT + tl.where(hit, ck_m, 0), mask=hit, other=-1).to(tl.int64)
-            ck_ok = (hit & (ck >= 0) & (ck < NSLOT)).to(tl.int32)
+            ck_ok = (hit & (ck >= 0) & (ck < NSLOT) & (u_ok != 0)).to(tl.int32)  # not for a padding sequence
             tl.store(final + (tl.where(ck_ok != 0, ck, 0) * HV + i_hv) * K * V + p_u, S.to(final.dtype.element_ty),
                      mask=m_s & (p_s * 0 + ck_ok != 0))  # fmt: skip
         tok += BT
