@@ -378,9 +378,10 @@ def _validate_pool(
     cu_seqlens: Tensor | None,
     state_v_first: bool,
     num_accepted_tokens: Tensor | None = None,
+    per_token: bool = True,
 ) -> None:
     """Check the serving step's pool, slot indices and accepted counts (after :func:`_validate` checked the
-    rest)."""
+    rest); ``per_token``: the step takes a slot per token (``[N, T_spec]``) as well as one per sequence."""
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     N = num_sequences(q, cu_seqlens)
     check_float("state_pool", state_pool)
@@ -398,7 +399,7 @@ def _validate_pool(
         _fail(TypeError, "state_indices", "a torch.Tensor", type(state_indices).__name__)
     if state_indices.dtype not in (torch.int32, torch.int64):
         _fail(TypeError, "state_indices", "an int32 or int64 tensor", state_indices.dtype)
-    if state_indices.dim() == 2:
+    if state_indices.dim() == 2 and per_token:
         if state_indices.shape[0] != N or state_indices.shape[1] == 0:
             _fail(ValueError, "state_indices", f"[N] or [N, T_spec] with N = {N} and T_spec >= 1",
                   list(state_indices.shape))  # fmt: skip
@@ -406,7 +407,8 @@ def _validate_pool(
             _fail(ValueError, "state_indices", f"[N, T_spec] with T_spec >= T = {q.shape[1]} (a slot per token)",
                   list(state_indices.shape))  # fmt: skip
     else:
-        _check_shape("state_indices", state_indices, (N,), "[N] (one slot per sequence) or [N, T_spec]")
+        what = "[N] (one slot per sequence)" + (" or [N, T_spec]" if per_token else "")
+        _check_shape("state_indices", state_indices, (N,), what)
     tensors = [("state_pool", state_pool), ("state_indices", state_indices)]
     if num_accepted_tokens is not None:
         if not isinstance(num_accepted_tokens, Tensor):
@@ -425,16 +427,46 @@ def _validate_pool(
         idx = state_indices.flatten().tolist()  # sync-ok: a CPU tensor in eager mode, or the checked mode
         S = state_pool.shape[0]
         if any(i < -1 or i >= S for i in idx):
-            _fail(ValueError, "state_indices", f"slots in [0, {S}) or -1 (padding)", state_indices.tolist())
+            _fail(ValueError, "state_indices", f"slots in [0, {S}) or -1 (padding)",
+                  state_indices.tolist())  # sync-ok: as above
         used = [i for i in idx if i >= 0]
         if len(set(used)) != len(used):
             _fail(ValueError, "state_indices", "distinct slots (two writes cannot share one state)",
-                  state_indices.tolist())  # fmt: skip
+                  state_indices.tolist())  # fmt: skip  # sync-ok: as above
         if num_accepted_tokens is not None:
             acc = num_accepted_tokens.tolist()  # sync-ok: as above
             W = state_indices.shape[1]
             if any(a < 1 or a > W for a in acc):
                 _fail(ValueError, "num_accepted_tokens", f"counts in [1, T_spec = {W}]", acc)
+
+
+def _validate_serving(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    state_indices: Tensor,
+    scale: float | None,
+    cu_seqlens: Tensor | None,
+    use_gate_in_kernel: bool,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    lower_bound: float | Tensor | None,
+    use_beta_sigmoid_in_kernel: bool,
+    allow_neg_eigval: bool,
+    state_v_first: bool,
+    num_accepted_tokens: Tensor | None,
+    per_token: bool,
+) -> tuple[float, float | None]:
+    """The checks both serving steps share (after their flags): the inputs, the pool and its slots, and in the
+    checked mode the gate and beta; the scale and lower bound to use."""
+    s, bound = _validate(q, k, v, g, beta, scale, None, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound)
+    _validate_pool(q, v, state_pool, state_indices, cu_seqlens, state_v_first, num_accepted_tokens, per_token)
+    if checks.active(g):
+        checks.check_gate_and_beta(g, beta, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    return s, bound
 
 
 def recurrent_kda_update_(
@@ -499,10 +531,9 @@ def recurrent_kda_update_(
         ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel), ("allow_neg_eigval", allow_neg_eigval),
         ("state_v_first", state_v_first), ("write_states", write_states),
     )  # fmt: skip
-    s, bound = _validate(q, k, v, g, beta, scale, None, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound)
-    _validate_pool(q, v, state_pool, state_indices, cu_seqlens, state_v_first, num_accepted_tokens)
-    if checks.active(g):
-        checks.check_gate_and_beta(g, beta, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    s, bound = _validate_serving(q, k, v, g, beta, state_pool, state_indices, scale, cu_seqlens, use_gate_in_kernel,
+                                 A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                                 state_v_first, num_accepted_tokens, per_token=True)  # fmt: skip
     return ops.run_update(
         q, k, v, g, beta, state_pool, state_indices, s, cu_seqlens, A_log, dt_bias, bound, use_qk_l2norm_in_kernel,
         use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, num_accepted_tokens,
@@ -559,13 +590,10 @@ def chunk_kda_update_(
         ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel), ("allow_neg_eigval", allow_neg_eigval),
         ("state_v_first", state_v_first),
     )  # fmt: skip
-    s, bound = _validate(q, k, v, g, beta, scale, None, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound)
-    if isinstance(state_indices, Tensor) and state_indices.dim() != 1:
-        _fail(ValueError, "state_indices", "[N] (one slot per sequence)", list(state_indices.shape))
-    _validate_pool(q, v, state_pool, state_indices, cu_seqlens, state_v_first)
+    s, bound = _validate_serving(q, k, v, g, beta, state_pool, state_indices, scale, cu_seqlens, use_gate_in_kernel,
+                                 A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                                 state_v_first, None, per_token=False)  # fmt: skip
     every = _checkpoints(q, state_pool, state_indices, checkpoint_every, checkpoint_indices)
-    if checks.active(g):
-        checks.check_gate_and_beta(g, beta, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     return ops.run_chunk_update(
         q, k, v, g, beta, state_pool, state_indices, s, cu_seqlens, A_log, dt_bias, bound, use_qk_l2norm_in_kernel,
         use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, every, checkpoint_indices,
@@ -595,10 +623,10 @@ def _checkpoints(
         used = [i for i in idx.flatten().tolist() + state_indices.tolist() if i >= 0]  # sync-ok: as for the slots
         S = state_pool.shape[0]
         if any(i >= S for i in used) or any(i < -1 for i in idx.flatten().tolist()):  # sync-ok: as above
-            _fail(ValueError, "checkpoint_indices", f"slots in [0, {S}) or -1", idx.tolist())
+            _fail(ValueError, "checkpoint_indices", f"slots in [0, {S}) or -1", idx.tolist())  # sync-ok: as above
         if len(set(used)) != len(used):
             _fail(ValueError, "checkpoint_indices", "slots distinct from each other and from state_indices",
-                  idx.tolist())  # fmt: skip
+                  idx.tolist())  # fmt: skip  # sync-ok: as above
     assert every is not None
     return every
 
