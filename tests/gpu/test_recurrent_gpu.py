@@ -281,7 +281,9 @@ def test_speculative_verify_matches_the_cpu_kernel_and_replays() -> None:
 
 def test_bf16_pool_is_the_fp32_step_rounded_once() -> None:
     """A bfloat16 pool at the decode shape: outputs of the step from the pool's states as float32, and each state
-    stored rounded to nearest once (as ``Tensor.bfloat16`` rounds the float32 pool's step)."""
+    stored rounded once (as ``Tensor.bfloat16`` rounds the float32 pool's step), to one bf16 unit in the last place:
+    the two pool dtypes compile to two kernels, whose fp32 arithmetic may be contracted differently, so a value next
+    to a rounding boundary may round the other way; a second rounding (a drift) would be larger."""
     N, H, K, V, S = 64, 32, 128, 128, 80
     x = _decode_inputs(N, H, H, K, V, 1, seed=4)
     params = make_inputs(1, 1, H, K, V, dtype=BF16, device=DEV, gate_in_kernel=True)
@@ -292,8 +294,14 @@ def test_bf16_pool_is_the_fp32_step_rounded_once() -> None:
     with checked():
         o16 = kda_ops.recurrent_kda_update_(**x, state_pool=pool16, state_indices=idx, **opts)
         o32 = kda_ops.recurrent_kda_update_(**x, state_pool=pool32, state_indices=idx, **opts)
-    assert torch.equal(o16, o32)
-    assert torch.equal(pool16, pool32.bfloat16())
+    assert _within_one_bf16_ulp(o16, o32)
+    assert _within_one_bf16_ulp(pool16, pool32.bfloat16())
+
+
+def _within_one_bf16_ulp(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` (bf16) at most one unit in the last place of bf16 apart, everywhere."""
+    ulp = torch.finfo(torch.bfloat16).eps * b.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+    return bool(((a.float() - b.float()).abs() <= ulp).all())
 
 
 def test_serving_compiled_fullgraph_in_place() -> None:

@@ -39,8 +39,8 @@ PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", 
        torch.int64: "*i64", torch.int32: "*i32", torch.int8: "*i8"}  # fmt: skip
 
 # Constexprs that every variant takes as an H200 launch does: the forward's kernels open with pdl_enter; the scans
-# read the user's states, not a pool's slots, unless a variant says so.
-DEFAULTS: dict[str, Any] = {"PDL": True, "USE_SLOTS": False, "USE_CKPT": False}
+# read the user's states, not a pool's slots, and the output stage writes every slot, unless a variant says so.
+DEFAULTS: dict[str, Any] = {"PDL": True, "USE_SLOTS": False, "USE_CKPT": False, "KEEP": False}
 
 # Spill bound of the chunk backward's kernels (bytes of local stack per thread): the dq/dk stage spilled 3 KB before
 # its diagonal blocks went column by column, the dv stage 552 B at 64-wide tiles, the recompute's exact-fp32 solve
@@ -172,9 +172,10 @@ def chunk_variants() -> dict[str, Variant]:
                     PHASE=phase, STATE_V_FIRST=v_first)  # fmt: skip
 
     def seg(K: int, V: int, v_first: bool = False) -> dict[str, Any]:
-        return dict(MB=F32, h0=F32, Sin=F32, Slots=None, NSLOT=0,
-                    HV=32, NSEG=7, K=K, V=V, BK=K, BV=32, BKC=32, USE_INITIAL_STATE=True,
-                    PREC="ieee", DT=tl.float32, STATE_V_FIRST=v_first, REVERSE=False)  # fmt: skip
+        return dict(MB=F32, h0=F32, Sin=F32, Slots=None, NSLOT=0, cu=I64,
+                    HV=32, NSEG=7, BT=64, K=K, V=V, BK=K, BV=16, BKC=K if K <= 128 else 32, USE_INITIAL_STATE=True,
+                    PREC="tf32x3" if K <= 128 else "ieee", DT=tl.float32, STATE_V_FIRST=v_first,
+                    REVERSE=False)  # fmt: skip
 
     stage = dict(slot_start=I64, slot_count=I64, lower_bound=0.0, HV=32, BT=64, USE_GATE=True, HAS_A_LOG=True,
                  HAS_DT_BIAS=True, USE_LOWER_BOUND=False, DT=tl.float32)  # fmt: skip
@@ -193,14 +194,14 @@ def chunk_variants() -> dict[str, Variant]:
            scn(128, 128, 32, norms=True, x_form=True, phase=ph), 4, 1) for ph in (1, 2)},
         "split scan pass 1 bf16 K=V=128 BV=32 E form": ("chunk.scan", scan.chunk_state_kernel,
                                                         scn(128, 128, 32, phase=1), 4, 1),
-        **{f"segment states fp32 K=V={K}": ("chunk.scan", scan.segment_states_kernel, seg(K, K), 4, 1)
+        **{f"segment states fp32 K=V={K}": ("chunk.scan", scan.segment_states_kernel, seg(K, K), 8, 1)
            for K in (128, 256)},
         "scan bf16 K=V=128 BV=32 norms X form V-first": ("chunk.scan", scan.chunk_state_kernel,
                                                          scn(128, 128, 32, norms=True, x_form=True, v_first=True), 8,
                                                          1),
         "split scan pass 2 bf16 K=V=128 BV=32 norms X form V-first": ("chunk.scan", scan.chunk_state_kernel,
             scn(128, 128, 32, norms=True, x_form=True, phase=2, v_first=True), 4, 1),
-        "segment states fp32 K=V=128 V-first": ("chunk.scan", scan.segment_states_kernel, seg(128, 128, True), 4, 1),
+        "segment states fp32 K=V=128 V-first": ("chunk.scan", scan.segment_states_kernel, seg(128, 128, True), 8, 1),
         "scan bf16 K=V=128 BV=32 norms X form, pool slots and checkpoints": ("chunk.scan", scan.chunk_state_kernel,
             dict(scn(128, 128, 32, norms=True, x_form=True), Slots=I64, NSLOT=9, USE_SLOTS=True, Ckpt=I64, NCKPT=3,
                  CKPT_EVERY=128, USE_CKPT=True), 8, 1),
@@ -209,11 +210,15 @@ def chunk_variants() -> dict[str, Variant]:
             dict(scn(128, 128, 32, norms=True, x_form=True, phase=2), Slots=I64, NSLOT=9, USE_SLOTS=True, Ckpt=I64,
                  NCKPT=3, CKPT_EVERY=128, USE_CKPT=True), 4, 1),
         "segment states fp32 K=V=128, pool slots": ("chunk.scan", scan.segment_states_kernel,
-            dict(seg(128, 128), Slots=I64, NSLOT=9, USE_SLOTS=True), 4, 1),
+            dict(seg(128, 128), Slots=I64, NSLOT=9, USE_SLOTS=True), 8, 1),
         **{f"output norms bf16 K=V={K} BV={bv}": ("chunk.output", output.chunk_output_kernel, dict(Qt=BF, Mqk=BF,
-           Hin=BF, E=BF, o=BF, Nq=F32, slot_start=I64, slot_count=I64, NC=17, HV=32, T=1000, K=K, V=K, BK=K, BV=bv,
-           BT=64, PREC="bf16", DT=tl.float32, NORMS=True, STAGES=st), 4, st)
+           Hin=BF, E=BF, o=BF, Nq=F32, slot_start=I64, slot_count=I64, Keep=None, NC=17, HV=32, T=1000, K=K, V=K,
+           BK=K, BV=bv, BT=64, PREC="bf16", DT=tl.float32, NORMS=True, STAGES=st), 4, st)
            for K, bv, st in ((128, 128, 3), (256, 64, 1))},
+        "output norms bf16 K=V=128 BV=128, padding sequences": ("chunk.output", output.chunk_output_kernel,
+            dict(Qt=BF, Mqk=BF, Hin=BF, E=BF, o=BF, Nq=F32, slot_start=I64, slot_count=I64, Keep=I32, NC=17, HV=32,
+                 T=1000, K=128, V=128, BK=128, BV=128, BT=64, PREC="bf16", DT=tl.float32, NORMS=True, STAGES=3,
+                 KEEP=True), 4, 3),
         "prepare anchored fp32 K=V=100": ("chunk.prepare", anchored,
                                           prep(False, 100, 100, F32, F32, ("ieee",) * 3), 8, 1),
         "prepare blocks bf16 K=V=256 gate": ("chunk.prepare", blocks, prep(True, 256, 256, gate=True), 8, 1),
@@ -238,7 +243,7 @@ def chunk_variants() -> dict[str, Variant]:
         "anchor sums K=128 BK=64 gate": ("chunk.decays", decays.anchor_sums_kernel,
                                          dict(g=F32, A_log=F32, dt_bias=F32, Sums=F32, **stage, K=128, BK=64), 2, 1),
         "output": ("chunk.output", output.chunk_output_kernel, dict(Qt=BF, Mqk=F32, Hin=F32, E=F32, o=BF, Nq=None,
-                   slot_start=I64, slot_count=I64, NC=17, HV=32, T=1000, K=100, V=100, BK=128, BV=64, BT=64,
+                   slot_start=I64, slot_count=I64, Keep=None, NC=17, HV=32, T=1000, K=100, V=100, BK=128, BV=64, BT=64,
                    PREC="bf16", DT=tl.float32, NORMS=False, STAGES=1), 4, 1),
     }  # fmt: skip
 

@@ -136,7 +136,7 @@ LAUNCH: dict[str, dict[str, int]] = {
     # the split scan's passes: 4 warps let two programs share an SM (B1 T32768 H8 bf16: 0.991 ms at 8 segments,
     # against 1.168 with 8 warps)
     "scan_split": {"num_warps": 4, "num_stages": 1},
-    "segments": {"num_warps": 4, "num_stages": 1},
+    "segments": {"num_warps": 8, "num_stages": 1, "BV": 16},
     # output: BV 128 with 16-bit states and K <= 128 (the output stage caps it at 64 elsewhere). There a program per
     # SM walks the (chunk slot, value tile, value head) items with its loop pipelined over 3 stages (152 registers,
     # 156 KB of shared memory): 8 % less time than a program per item at B1 T32768 H32 bf16.

@@ -20,6 +20,7 @@ kernel variant a call can pick.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from kda_ops.common import Options, chunk_states_dtype, forward_outputs, num_sequences, state_dtype, state_shape
@@ -37,7 +38,7 @@ from kda_ops.triton.chunk.scan import chunk_state
 from kda_ops.triton.chunk.slots import slot_map
 from kda_ops.triton.chunk.tiles import BT
 from kda_ops.triton.launch import contiguous, flat, poison
-from kda_ops.varlen import chunk_states, chunk_states_shape, zero_padding_rows
+from kda_ops.varlen import ChunkMap, chunk_states, chunk_states_shape
 
 
 def _opt(x: Tensor | None) -> Tensor | None:
@@ -88,10 +89,12 @@ def _forward(
     pool: Tensor | None = None,
     state_indices: Tensor | None = None,
     checkpoints: tuple[Tensor, int] | None = None,
+    valid: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """:func:`chunk_fwd`'s outputs, and with ``states`` the state entering each chunk. With ``pool`` and
     ``state_indices`` (:func:`chunk_update`; ``initial_state`` None) the scan reads each sequence's initial state
-    from its pool slot and writes its final state back there; the returned final state is then empty."""
+    from its pool slot and writes its final state back there; the returned final state is then empty. ``valid [N]``
+    (bool): the outputs of a sequence whose entry is False are zero."""
     B, T = q.shape[:2]
     v = contiguous(v)
     o, final = forward_outputs(q, v, cu_seqlens, output_final_state, opts.state_v_first)
@@ -126,7 +129,7 @@ def _forward(
     # stage 5: O = Qt S + Mqk E = Qt S + (Mqk Tb) X, parallel over chunks
     chunk_output(
         Qt=f.Qt, Mqk=f.MqkTb, Hin=Hin, E=X, slots=slots, precision=p, out_dtype=o.dtype,
-        out=o.view(B * T, *o.shape[2:]), norms=f.Nrm,
+        out=o.view(B * T, *o.shape[2:]), norms=f.Nrm, keep=None if valid is None else slot_keep(slots, valid),
     )
     if not states:
         return o, final, None
@@ -155,10 +158,18 @@ def chunk_update(
     ``checkpoint_indices [N, C]`` the scan also writes the state after every ``checkpoint_every`` tokens (a multiple
     of the chunk size) of sequence ``n`` to slot ``checkpoint_indices[n, m]``."""
     ckpt = None if checkpoint_indices is None else (checkpoint_indices, checkpoint_every)
-    o, _, _ = _forward(q, k, v, g, beta, scale, None, cu_seqlens, A_log, dt_bias, opts, False, None, states=False,
-                       pool=state_pool, state_indices=state_indices, checkpoints=ckpt)  # fmt: skip
     valid = (state_indices >= 0) & (state_indices < state_pool.shape[0])
-    return zero_padding_rows(o, valid, cu_seqlens)
+    o, _, _ = _forward(q, k, v, g, beta, scale, None, cu_seqlens, A_log, dt_bias, opts, False, None, states=False,
+                       pool=state_pool, state_indices=state_indices, checkpoints=ckpt, valid=valid)  # fmt: skip
+    return o
+
+
+def slot_keep(slots: ChunkMap, valid: Tensor) -> Tensor:
+    """``valid [N]`` of the sequence owning each chunk slot, ``[NC]`` int32 (the output stage's ``keep``): a slot
+    belongs to the last sequence whose first slot is at or before it (a sequence without chunks owns none)."""
+    NC = slots.start.shape[0]
+    seq = torch.searchsorted(slots.offset, torch.arange(NC, device=valid.device), right=True) - 1
+    return valid[seq.clamp_(0, valid.shape[0] - 1)].to(torch.int32)
 
 
 def chunk_fwd_states(

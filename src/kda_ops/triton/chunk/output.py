@@ -45,9 +45,10 @@ def output_tile(qt, S, A, E, nq, PREC: tl.constexpr, DT: tl.constexpr, NORMS: tl
 
 @jit_any_length
 def chunk_output_kernel(
-    Qt, Mqk, Hin, E, o, Nq, slot_start, slot_count, NC, HV, T,
+    Qt, Mqk, Hin, E, o, Nq, slot_start, slot_count, Keep, NC, HV, T,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     PREC: tl.constexpr, DT: tl.constexpr, NORMS: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+    KEEP: tl.constexpr = False,
 ):  # fmt: skip
     pdl_enter(PDL)
     # Items (chunk slot, value tile, value head), the slot fastest, taken by the programs in turn: as many programs as
@@ -74,7 +75,10 @@ def chunk_output_kernel(
         p_s = Hin + (i_c.to(tl.int64) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
         S = tl.load(p_s, mask=live[:, None] & m_v[None, :], other=0.0)
         nq = head_factors(Nq, tok, m, i_hv, T, DT, NORMS)
-        store2(o + i_hv * V, tok, m, HV * V, o_v, m_v, output_tile(qt, S, A, Ec, nq, PREC, DT, NORMS))
+        out = output_tile(qt, S, A, Ec, nq, PREC, DT, NORMS)
+        if KEEP:  # zeros for the slot of a padding sequence (Keep[i_c] == 0), whatever its tokens hold
+            out = tl.where(tl.load(Keep + i_c) != 0, out, 0.0)
+        store2(o + i_hv * V, tok, m, HV * V, o_v, m_v, out)
 
 
 def chunk_output(
@@ -87,11 +91,13 @@ def chunk_output(
     out_dtype: torch.dtype,
     out: Tensor | None = None,
     norms: Tensor | None = None,
+    keep: Tensor | None = None,
 ) -> Tensor:
     """``o [T, HV, V]`` in ``out_dtype``: ``Qt [T, HV, K]``, ``Mqk [T, HV, BT]``, ``Hin [NC, HV, K, V]`` (the state
     entering each slot), ``E [T, HV, V]`` (the resolved errors). ``out``: a contiguous ``[T, HV, V]`` tensor of
     ``out_dtype`` to write into (the op's output, saving a copy), else a new one. ``norms [2, HV, T]``: the l2norm
-    factors of ``Qt``'s rows (``norms[0]``) when it was stored without them."""
+    factors of ``Qt``'s rows (``norms[0]``) when it was stored without them. ``keep [NC]`` (int32): a slot whose
+    entry is 0 gets zero outputs (the rows of a padding sequence of the serving ops)."""
     T, HV, K = Qt.shape
     V = E.shape[2]
     NC = slots.start.shape[0]
@@ -114,9 +120,9 @@ def chunk_output(
     _launch_output(
         (programs,),
         (contiguous(Qt), contiguous(Mqk), contiguous(Hin), contiguous(E), o, None if norms is None else norms[0],
-         slots.start, slots.count, NC, HV, T),
+         slots.start, slots.count, keep, NC, HV, T),
         dict(K=K, V=V, BK=pow2(K), BT=BT, PREC=precision.output, DT=compute_dtype(Hin), NORMS=norms is not None,
-             STAGES=cfg["num_stages"], **cfg, **pdl(o.device)),
+             STAGES=cfg["num_stages"], KEEP=keep is not None, **cfg, **pdl(o.device)),
     )  # fmt: skip
     return o
 

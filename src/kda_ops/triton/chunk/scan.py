@@ -94,6 +94,13 @@ def scan_segments(N: int, HV: int, T: int, V: int, device: torch.device) -> int:
     return 1 << (n.bit_length() - 1) if n > 1 else 1
 
 
+# The segment combine holds a whole map M [K, K] in fp32 registers (and the next one, loading) up to this K, its
+# product on the tensor cores in 3xTF32 (202 registers, no spill at K = V = 128, BV = 16, 8 warps; the exact fp32
+# product of Triton spills 1.7 KB per thread there): at B1 T32768 bf16 on an H200 the combine takes 0.075 ms at H4
+# (16 segments) and 0.090 at H8 (8), against 0.164 and 0.179 in exact fp32 key blocks, which serve beyond it.
+COMBINE_ONE_DOT_MAX_K = 128
+
+
 def scan_block_v(V: int, programs: int, device: torch.device, segments: int = 1) -> int:
     """The value tile of the scan: the largest of :func:`block_v_choices` that keeps enough programs; the smallest
     for a scan split into ``segments > 1`` (:func:`scan_segments` counts on it)."""
@@ -248,17 +255,20 @@ def chunk_state_kernel(
 
 @jit_any_length
 def segment_states_kernel(
-    MB, h0, Sin, Slots, NSLOT, HV, NSEG, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BKC: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr,
-    STATE_V_FIRST: tl.constexpr, REVERSE: tl.constexpr = False, USE_SLOTS: tl.constexpr = False,
+    MB, h0, Sin, Slots, NSLOT, cu, HV, NSEG, BT: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, BKC: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
+    PDL: tl.constexpr, STATE_V_FIRST: tl.constexpr, REVERSE: tl.constexpr = False, USE_SLOTS: tl.constexpr = False,
 ):  # fmt: skip
     """The state entering each segment, in order: ``S_in[0] = h0``, ``S_in[s + 1] = M[s] S_in[s] + B[s]`` (one
-    program per sequence, value head and value tile; ``M S`` in ``BKC``-wide key blocks, ``S`` read back from
-    ``Sin``, which keeps ``[K, V]`` whatever the layout of ``h0``). ``REVERSE`` (the backward's reverse scan): the
-    state gradient leaving each segment, from the last: ``S[NSEG - 1] = h0`` (``dht``), ``S[s - 1] = M S[s] + B``
-    with the map of segment ``s`` at ``MB[s - 1]``. ``PREC`` exact (``"ieee"``): an empty segment
-    (``M = I``, ``B = 0``: the sequence has fewer chunks than segments) passes its state on unchanged; 3xTF32 would
-    round it, for 1% of the forward at B1 T32768 H8 bf16 on an H200 (0.992 against 1.018 ms)."""
+    program per sequence, value head and value tile). ``REVERSE`` (the backward's reverse scan): the state gradient
+    leaving each segment, from the last: ``S[NSEG - 1] = h0`` (``dht``), ``S[s - 1] = M S[s] + B`` with the map of
+    segment ``s`` at ``MB[s - 1]``. ``Sin`` keeps ``[K, V]`` whatever the layout of ``h0``.
+
+    ``M S`` is one product ``[BK, BK] x [BK, BV]`` with the state in registers and the next map loaded while it runs
+    (the maps do not depend on the states) when ``BKC == BK``; else in ``BKC``-wide key blocks, ``S`` read back from
+    ``Sin`` (``M`` in fp32 then exceeds the registers). The map of an empty segment (``M = I``, ``B = 0``: the
+    sequence of ``cu`` has fewer chunks than segments) is skipped, so its state passes on bit for bit whatever
+    ``PREC``."""
     pdl_enter(PDL)
     NV: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0)
@@ -272,6 +282,18 @@ def segment_states_kernel(
                     other=0.0).to(DT)  # fmt: skip
     else:
         S = tl.zeros((BK, BV), dtype=DT)
+    maps = MB + (i_n * (NSEG - 1) * HV + i_hv) * K * (V + K)  # map j at maps + j * HV * K * (V + K)
+    # the segments' chunk counts as the scan's passes cut them: segment i_s holds chunks [i_s * L, (i_s + 1) * L)
+    n_chunks = tl.cdiv(tl.load(cu + i_n + 1) - tl.load(cu + i_n), BT).to(tl.int32)
+    L = tl.cdiv(n_chunks, NSEG)
+    p_b = o_k[:, None] * (V + K) + o_v[None, :]
+    if BKC == BK:
+        p_m = o_k[:, None] * (V + K) + V + o_k[None, :]
+        m_m = m_k[:, None] & m_k[None, :]
+        # the first map (none when NSEG == 1: vector conditions, as the interpreter rejects tensor & scalar)
+        j = tl.where(REVERSE, NSEG - 2, 0).to(tl.int64) * HV * K * (V + K)
+        Mt = tl.load(maps + j + p_m, mask=m_m & (p_m * 0 + NSEG > 1), other=0.0).to(DT)
+        Bt = tl.load(maps + j + p_b, mask=m_s & (p_s * 0 + NSEG > 1), other=0.0).to(DT)
     o_b = tl.arange(0, BKC)
     for s in range(NSEG):
         if REVERSE:  # the state at slot st, then the map at mi
@@ -282,18 +304,30 @@ def segment_states_kernel(
             mi = s
         tl.store(Sin + ((i_n * NSEG + st) * HV + i_hv) * K * V + p_s, S.to(Sin.dtype.element_ty), mask=m_s)
         if s < NSEG - 1:
-            mb = MB + ((i_n * (NSEG - 1) + mi) * HV + i_hv) * K * (V + K)
-            S = tl.load(mb + o_k[:, None] * (V + K) + o_v[None, :], mask=m_s, other=0.0).to(DT)
-            # the state just stored, visible to every thread of the program
-            tl.debug_barrier()
-            sin = Sin + ((i_n * NSEG + st) * HV + i_hv) * K * V
-            for kb in range(0, K, BKC):
-                m_b = (kb + o_b) < K
-                Mb = tl.load(mb + o_k[:, None] * (V + K) + V + kb + o_b[None, :], mask=m_k[:, None] & m_b[None, :],
-                             other=0.0).to(DT)  # fmt: skip
-                Sb = tl.load(sin + (kb + o_b)[:, None] * V + o_v[None, :], mask=m_b[:, None] & m_v[None, :],
-                             other=0.0).to(DT)  # fmt: skip
-                S += mm(Mb, Sb, PREC, DT)
+            if BKC == BK:
+                # the next map (this one again after the last) while this product runs
+                jn = tl.where(REVERSE, tl.maximum(mi - 1, 0), tl.minimum(mi + 1, NSEG - 2)).to(tl.int64)
+                Mn = tl.load(maps + jn * HV * K * (V + K) + p_m, mask=m_m, other=0.0).to(DT)
+                Bn = tl.load(maps + jn * HV * K * (V + K) + p_b, mask=m_s, other=0.0).to(DT)
+                if REVERSE:  # the map at mi is of segment mi + 1 (of segment mi in order)
+                    seg = mi + 1
+                else:
+                    seg = mi
+                S = tl.where(seg * L < n_chunks, Bt + mm(Mt, S, PREC, DT), S)
+                Mt, Bt = Mn, Bn
+            else:
+                mb = maps + mi.to(tl.int64) * HV * K * (V + K)
+                S = tl.load(mb + p_b, mask=m_s, other=0.0).to(DT)
+                # the state just stored, visible to every thread of the program
+                tl.debug_barrier()
+                sin = Sin + ((i_n * NSEG + st) * HV + i_hv) * K * V
+                for kb in range(0, K, BKC):
+                    m_c = (kb + o_b) < K
+                    Mb = tl.load(mb + o_k[:, None] * (V + K) + V + kb + o_b[None, :],
+                                 mask=m_k[:, None] & m_c[None, :], other=0.0).to(DT)  # fmt: skip
+                    Sb = tl.load(sin + (kb + o_b)[:, None] * V + o_v[None, :], mask=m_c[:, None] & m_v[None, :],
+                                 other=0.0).to(DT)  # fmt: skip
+                    S += mm(Mb, Sb, PREC, DT)
 
 
 def chunk_offsets(cu: Tensor) -> Tensor:
@@ -383,7 +417,7 @@ def chunk_state(
         dict(meta, USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, PHASE=1, STATE_V_FIRST=False, USE_SLOTS=False,
              USE_CKPT=False),
     )
-    Sin = segment_states(MB, h0, N, nseg, BV, state_v_first, state_indices=slots)
+    Sin = segment_states(MB, h0, cu, nseg, state_v_first, state_indices=slots)
     _launch_scan(
         (N * nseg * HV * cdiv(V, BV),),
         (*args, Sin, final, Hin, E, *rest, None, slots, nslot, ckpt, nckpt, every, HV, T, nseg),
@@ -395,27 +429,30 @@ def chunk_state(
 def segment_states(
     MB: Tensor,
     h0: Tensor | None,
-    N: int,
+    cu: Tensor,
     nseg: int,
-    BV: int,
     state_v_first: bool,
     reverse: bool = False,
     state_indices: Tensor | None = None,
 ) -> Tensor:
     """The state at each segment's boundary, ``[N * nseg, HV, K, V]`` (``[K, V]`` whatever the user's layout), from
-    the segments' maps ``MB [N * (nseg - 1), HV, K, V + K]`` (``[B | M]``) and ``h0 [N, HV, K, V]`` (None: zero; a
-    pool read at ``state_indices [N]`` when given): entering each segment, or with ``reverse`` the gradient leaving
-    each (:func:`segment_states_kernel`)."""
+    the segments' maps ``MB [N * (nseg - 1), HV, K, V + K]`` (``[B | M]``) of the ``N`` sequences of ``cu``
+    (sanitized, int64) and ``h0 [N, HV, K, V]`` (None: zero; a pool read at ``state_indices [N]`` when given):
+    entering each segment, or with ``reverse`` the gradient leaving each (:func:`segment_states_kernel`)."""
+    N = cu.shape[0] - 1
     _, HV, K, VK = MB.shape
     V = VK - K
     S = MB.new_empty(N * nseg, HV, K, V)
     poison(S)
+    cfg = launch("segments", BV=V)
+    BK = pow2(K)
+    one_dot = BK <= COMBINE_ONE_DOT_MAX_K and MB.dtype == torch.float32  # fp64: exact products in key blocks
     _launch_segments(
-        (N * HV * cdiv(V, BV),),
-        (MB, h0, S, state_indices, 0 if h0 is None else h0.shape[0], HV, nseg),
-        dict(K=K, V=V, BK=pow2(K), BV=BV, BKC=min(32, pow2(K)), USE_INITIAL_STATE=h0 is not None, PREC="ieee",
-             DT=compute_dtype(MB), **launch("segments"), **pdl(MB.device), STATE_V_FIRST=state_v_first,
-             REVERSE=reverse, USE_SLOTS=state_indices is not None),
+        (N * HV * cdiv(V, cfg["BV"]),),
+        (MB, h0, S, state_indices, 0 if h0 is None else h0.shape[0], cu, HV, nseg),
+        dict(cfg, BT=BT, K=K, V=V, BK=BK, BKC=BK if one_dot else 32, USE_INITIAL_STATE=h0 is not None,
+             PREC="tf32x3" if one_dot else "ieee", DT=compute_dtype(MB), **pdl(MB.device),
+             STATE_V_FIRST=state_v_first, REVERSE=reverse, USE_SLOTS=state_indices is not None),
     )  # fmt: skip
     return S
 

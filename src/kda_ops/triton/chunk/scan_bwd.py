@@ -176,7 +176,7 @@ def chunk_bwd_scan(
         *args, None, dSp, dE, None, cu, offsets, MB, HV, nseg, USE_FINAL_STATE_GRADIENT=False, PHASE=1,
         **dict(meta, STORE_INITIAL_STATE_GRADIENT=False, STATE_V_FIRST=False),
     )  # fmt: skip
-    Sout = segment_states(MB, dht_c, N, nseg, BV, state_v_first, reverse=True)
+    Sout = segment_states(MB, dht_c, cu, nseg, state_v_first, reverse=True)
     chunk_bwd_scan_kernel[(cdiv(V, BV), N * nseg * HV)](
         *args, Sout, dSp, dE, dh0, cu, offsets, None, HV, nseg, USE_FINAL_STATE_GRADIENT=True, PHASE=2, **meta,
     )  # fmt: skip
