@@ -25,6 +25,8 @@ nox.options.sessions = ["lint", "typecheck", "tests"]
 ROOT = Path(__file__).parent
 TORCH = "2.13.0"
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+# the release whose KimiLinearDeltaAttention kda_ops.nn.KimiDeltaAttention is tested against
+TRANSFORMERS = "5.17.0"
 
 # (torch, triton, numpy pin, whole suite): triton <= 3.6's interpreter breaks with numpy >= 2.4. The last row checks
 # that the package and its tests run without triton at all. The whole suite runs on triton 3.6 (the GPU's) and
@@ -83,6 +85,8 @@ def tests(session: nox.Session, torch: str, triton: str | None, numpy: str | Non
     (without the ``slow`` tests where ``whole`` is False)."""
     session.install(*_torch(torch))
     session.install("pytest", "pytest-xdist", *([f"triton=={triton}"] if triton else []), *([numpy] if numpy else []))
+    if whole:  # the Kimi Linear layer's tests against transformers' own layer (skipped where it is absent)
+        session.install(f"transformers=={TRANSFORMERS}")
     _install_package(session)
     if not triton:  # this row checks the package without triton: make sure nothing brought it in
         session.run(

@@ -1,18 +1,24 @@
-"""A KDA attention layer built on the public functions: projections, in-kernel gate and beta, output gate and norm.
+"""KDA attention layers built on the public functions.
 
-The layer calls :func:`kda_ops.chunk_kda` (training, prefill) or :func:`kda_ops.recurrent_kda` (decode), so it
-compiles with ``torch.compile(fullgraph=True)``, exports with ``torch.export`` and captures in CUDA graphs.
+:class:`KDALayer`: projections, in-kernel gate and beta, output gate and norm. :class:`KimiDeltaAttention`: the
+Kimi Linear layer as transformers defines it (short convolution, low-rank forget and output gates, gated RMSNorm),
+whose ``state_dict`` loads from transformers' ``KimiLinearDeltaAttention`` as it is. Both call
+:func:`kda_ops.chunk_kda` (training, prefill) or :func:`kda_ops.recurrent_kda` (decode), so they compile with
+``torch.compile(fullgraph=True)``, export with ``torch.export`` and capture in CUDA graphs.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kda_ops.api import check_flags, chunk_kda, recurrent_kda
+from kda_ops.api import check_flags, chunk_kda, kda_gate, recurrent_kda
 
 
 class KDALayer(nn.Module):
@@ -105,4 +111,238 @@ class KDALayer(nn.Module):
         return self.o_proj(o.reshape(B, T, HV * V)), state
 
 
-__all__ = ["KDALayer"]
+# The transformers releases whose KimiLinearDeltaAttention this layer reproduces (parameter names and shapes, and the
+# function), each checked by tests/test_kimi_linear.py against that release's own layer.
+TRANSFORMERS_RELEASES = ("5.17.",)
+
+
+@dataclass(frozen=True)
+class KimiState:
+    """What :class:`KimiDeltaAttention` carries from one call to the next, per sequence: ``conv [N, 3 * H * K,
+    conv_size - 1]``, the last inputs of the short convolution (q, k, v channels), and ``recurrent [N, H, K, V]``,
+    the KDA state (fp32)."""
+
+    conv: Tensor
+    recurrent: Tensor
+
+
+class KimiForgetGate(nn.Module):
+    """The forget gate's parameters, named as transformers keeps them: the low-rank projection ``f_b_proj(f_a_proj
+    (x))`` and ``dt_bias [H * K]``, ``A_log [1, 1, H, 1]``. The gate itself (``-exp(A_log) * softplus(f +
+    dt_bias)``) runs inside the KDA kernels."""
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.f_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
+        self.f_b_proj = nn.Linear(head_dim, num_heads * head_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(num_heads * head_dim))
+        self.A_log = nn.Parameter(torch.zeros(1, 1, num_heads, 1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """The gate's raw input ``f`` (before ``dt_bias``), ``[..., H * K]`` in float32."""
+        f: Tensor = self.f_b_proj(self.f_a_proj(x))
+        return f.float()
+
+
+def causal_conv(x: Tensor, weight: Tensor, cu: Tensor, conv0: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The causal depthwise convolution of the packed token stream ``x [T, C]`` (sequences ``cu [N + 1]``, int64)
+    with ``weight [C, W + 1]`` (tap ``j`` multiplies the input ``W - j`` tokens back), each sequence starting from
+    its ``conv0 [N, C, W]`` (its last ``W`` inputs before, oldest first; None: zeros): the outputs ``[T, C]`` (no
+    activation) and each sequence's last ``W`` inputs after it, ``[N, C, W]``. On the device, no host sync."""
+    T, C = x.shape
+    W = weight.shape[1] - 1
+    N = cu.shape[0] - 1
+    t = torch.arange(T, device=x.device)
+    seq = (torch.searchsorted(cu, t, right=True) - 1).clamp_(0, max(N - 1, 0))
+    start = cu[seq]
+    hist = None if conv0 is None else conv0.transpose(1, 2)  # [N, W, C]
+
+    def back(pos: Tensor, n: Tensor, s: Tensor) -> Tensor:
+        """The input at stream position ``pos`` as sequence ``n`` (starting at ``s``) sees it: its own token, or
+        from its history (``s - W <= pos``)."""
+        own = x[pos.clamp(0, max(T - 1, 0))]
+        if hist is None:
+            old = torch.zeros_like(own)
+        else:
+            old = hist[n, (pos - s + W).clamp(0, W - 1)]
+        return torch.where((pos >= s)[:, None], own, old)
+
+    out = x * weight[:, W]
+    for d in range(1, W + 1):
+        out = out + back(t - d, seq, start) * weight[:, W - d]
+    n = torch.arange(N, device=x.device)
+    end = cu[1:]
+    last = torch.stack([back(end - W + i, n, cu[:-1]) for i in range(W)], dim=2)  # [N, C, W]
+    return out, last
+
+
+class KimiGatedNorm(nn.Module):
+    """The output norm: RMS-normalise each head's output in float32, scale by ``weight [V]``, gate by
+    ``sigmoid(gate)``, cast back (transformers' ``KimiLinearRMSNormGated``)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor, gate: Tensor) -> Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return (y * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+class KimiDeltaAttention(nn.Module):
+    """The KDA layer of Kimi Linear over ``hidden_states [B, T, hidden_size]``, with transformers'
+    ``KimiLinearDeltaAttention`` parameters (names, shapes, function), so ``load_state_dict`` of that layer's
+    ``state_dict`` works unchanged.
+
+    ``q, k, v`` projections (``num_heads`` heads of ``head_dim``), a causal depthwise convolution of
+    ``conv_size`` taps over their concatenation followed by SiLU, the forget gate ``-exp(A_log) * softplus(f +
+    dt_bias)`` of a low-rank projection ``f`` (or ``lower_bound * sigmoid(exp(A_log) (f + dt_bias))`` with
+    ``lower_bound``), ``beta = sigmoid(b_proj(x))``, KDA with q and k l2-normalised, the gated RMSNorm of each
+    head's output by a low-rank projection, and ``o_proj``.
+
+    Prefill and training run :func:`kda_ops.chunk_kda`, a step of one token per sequence with a ``state``
+    :func:`kda_ops.recurrent_kda`. Sequences come as a dense batch, as packed rows (``cu_seqlens``, B = 1), or as a
+    dense batch with an ``attention_mask [B, T]`` (1 on tokens, 0 on padding, left or right): a padding position
+    gets no input, no decay and no write, so the state passes it unchanged.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        *,
+        conv_size: int = 4,
+        norm_eps: float = 1e-5,
+        lower_bound: float | None = None,
+        recompute_in_backward: bool = False,
+    ) -> None:
+        check_flags(("recompute_in_backward", recompute_in_backward))
+        if conv_size < 1:
+            raise ValueError(f"conv_size: expected a positive int, got {conv_size}")
+        super().__init__()
+        self.hidden_size, self.num_heads, self.head_dim, self.conv_size = hidden_size, num_heads, head_dim, conv_size
+        self.lower_bound = lower_bound
+        self.recompute_in_backward = recompute_in_backward
+        qkv = num_heads * head_dim
+        self.q_proj = nn.Linear(hidden_size, qkv, bias=False)
+        self.k_proj = nn.Linear(hidden_size, qkv, bias=False)
+        self.v_proj = nn.Linear(hidden_size, qkv, bias=False)
+        self.conv1d = nn.Conv1d(3 * qkv, 3 * qkv, conv_size, groups=3 * qkv, padding=conv_size - 1, bias=False)
+        self.forget_gate = KimiForgetGate(hidden_size, num_heads, head_dim)
+        self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        self.g_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
+        self.g_b_proj = nn.Linear(head_dim, qkv, bias=False)
+        self.o_norm = KimiGatedNorm(head_dim, norm_eps)
+        self.o_proj = nn.Linear(qkv, hidden_size, bias=False)
+
+    @classmethod
+    def from_config(cls, config: Any, layer_idx: int | None = None, **kwargs: Any) -> KimiDeltaAttention:
+        """The layer of a transformers ``KimiLinearConfig`` (``hidden_size``, ``linear_num_heads``,
+        ``linear_head_dim``, ``linear_conv_kernel_dim``, ``rms_norm_eps``; ``hidden_act`` must be ``silu``).
+        ``layer_idx`` is accepted for transformers' signature; ``kwargs`` go to the constructor. Refuses a
+        transformers release outside :data:`TRANSFORMERS_RELEASES` when transformers is installed."""
+        check_transformers()
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise NotImplementedError(f"config.hidden_act: only 'silu' (the Kimi Linear convolution's), got {act!r}")
+        return cls(config.hidden_size, config.linear_num_heads, config.linear_head_dim,
+                   conv_size=config.linear_conv_kernel_dim, norm_eps=config.rms_norm_eps, **kwargs)  # fmt: skip
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        attention_mask: Tensor | None = None,
+        *,
+        cu_seqlens: Tensor | None = None,
+        state: KimiState | None = None,
+        use_cache: bool = False,
+    ) -> tuple[Tensor, KimiState | None]:
+        """``hidden_states [B, T, hidden]`` to ``(output [B, T, hidden], state or None)``.
+
+        ``state``: each sequence's :class:`KimiState` before this call (N = B, or the number of sequences of
+        ``cu_seqlens``); ``use_cache``: return the state after it (returned whenever ``state`` is given). One token
+        per sequence with a ``state`` is a decode step (the recurrent schedule).
+        """
+        check_flags(("use_cache", use_cache))
+        x = hidden_states
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        if attention_mask is not None:
+            if cu_seqlens is not None:
+                raise ValueError("attention_mask: not with cu_seqlens (packed rows have no padding)")
+            if attention_mask.shape != (B, T):
+                raise ValueError(f"attention_mask: expected [B, T] = [{B}, {T}], got {list(attention_mask.shape)}")
+            keep = attention_mask.to(torch.bool)
+            x = x * keep[..., None].to(x.dtype)
+        if cu_seqlens is None:
+            cu = torch.arange(0, (B + 1) * T, T, device=x.device, dtype=torch.int64)
+        else:
+            if B != 1:
+                raise ValueError(f"cu_seqlens: packed rows need B = 1, got B = {B}")
+            cu = cu_seqlens.to(device=x.device, dtype=torch.int64)
+        N = cu.shape[0] - 1
+        if state is not None:
+            W = self.conv_size - 1
+            _check_state(state, N, 3 * H * K, W, H, K)
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        conv, conv_last = causal_conv(qkv.reshape(B * T, -1), self.conv1d.weight[:, 0], cu,
+                                      None if state is None else state.conv)  # fmt: skip
+        q, k, v = F.silu(conv).view(B, T, 3, H, K).unbind(2)
+        f = self.forget_gate(x).view(B, T, H, K)
+        b = self.b_proj(x).float()
+        gate_args: dict[str, Any] = dict(
+            use_gate_in_kernel=True, A_log=self.forget_gate.A_log.view(H), dt_bias=self.forget_gate.dt_bias,
+            lower_bound=self.lower_bound,
+        )  # fmt: skip
+        if attention_mask is not None:  # padding: no decay (g = 0) and no write (beta = 0)
+            f = kda_gate(f, self.forget_gate.A_log.view(H), self.forget_gate.dt_bias, self.lower_bound)
+            f = f.masked_fill(~keep[..., None, None], 0.0)
+            b = b.masked_fill(~keep[..., None], -torch.inf)
+            gate_args = dict(use_gate_in_kernel=False)
+        step = state is not None and T == 1 and cu_seqlens is None
+        kda = recurrent_kda if step else functools.partial(chunk_kda, recompute_in_backward=self.recompute_in_backward)
+        o, final = kda(
+            q, k, v, f, b,
+            initial_state=None if state is None else state.recurrent,
+            output_final_state=use_cache or state is not None,
+            cu_seqlens=cu_seqlens,
+            use_qk_l2norm_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True,
+            **gate_args,
+        )  # fmt: skip
+        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, K)
+        y = self.o_proj(self.o_norm(o, gate).reshape(B, T, H * K))
+        if final is None:
+            return y, None
+        return y, KimiState(conv=conv_last.to(qkv.dtype), recurrent=final)
+
+
+def _check_state(state: KimiState, N: int, C: int, W: int, H: int, K: int) -> None:
+    """A :class:`KimiState` for ``N`` sequences of this layer, or a ``ValueError`` naming its part."""
+    if tuple(state.conv.shape) != (N, C, W):
+        raise ValueError(f"state.conv: expected [N, 3 * H * K, conv_size - 1] = [{N}, {C}, {W}], "
+                         f"got {list(state.conv.shape)}")  # fmt: skip
+    if tuple(state.recurrent.shape) != (N, H, K, K):
+        raise ValueError(f"state.recurrent: expected [N, H, K, V] = [{N}, {H}, {K}, {K}], "
+                         f"got {list(state.recurrent.shape)}")  # fmt: skip
+
+
+def check_transformers() -> None:
+    """Refuse a transformers release whose Kimi Linear layer this package does not reproduce (nothing when
+    transformers is not installed)."""
+    try:
+        import transformers
+    except ImportError:
+        return
+    version = str(transformers.__version__)
+    if not version.startswith(TRANSFORMERS_RELEASES):
+        raise NotImplementedError(
+            f"transformers {version}: KimiDeltaAttention reproduces the Kimi Linear layer of transformers "
+            f"{', '.join(r + 'x' for r in TRANSFORMERS_RELEASES)} only (its parameters were renamed in other releases)"
+        )
+
+
+__all__ = ["KDALayer", "KimiDeltaAttention", "KimiForgetGate", "KimiGatedNorm", "KimiState", "causal_conv"]

@@ -1,0 +1,154 @@
+"""``kda_ops.nn.KimiDeltaAttention``: transformers' Kimi Linear KDA layer, reproduced.
+
+Against transformers' own ``KimiLinearDeltaAttention`` (skipped where transformers is not installed): the same
+parameter names and shapes, its ``state_dict`` loaded as it is, the same outputs. Without it: packed rows equal to
+one call per sequence, a padding mask equal to the unpadded call, a prefill split in two (the convolution's and the
+recurrence's state carried) and decode steps equal to one prefill, clear errors for a bad state or mask.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kda_ops.nn import KimiDeltaAttention, KimiState, check_transformers
+from kda_ops.testing import assert_rel
+
+HIDDEN, H, K, CONV = 32, 2, 16, 4
+
+
+def layer(seed: int = 0) -> KimiDeltaAttention:
+    torch.manual_seed(seed)
+    m = KimiDeltaAttention(HIDDEN, H, K, conv_size=CONV)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0.0, 0.3)
+        m.forget_gate.A_log.uniform_(0.0, 1.5)
+        m.o_norm.weight.uniform_(0.5, 1.5)
+    return m
+
+
+def hidden(B: int, T: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(B, T, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def hf() -> object:
+    modeling = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+    from transformers import KimiLinearConfig
+
+    check_transformers()
+    config = KimiLinearConfig(hidden_size=HIDDEN, linear_num_heads=H, linear_head_dim=K, linear_conv_kernel_dim=CONV,
+                              num_hidden_layers=1, layer_types=["linear_attention"], rms_norm_eps=1e-5)  # fmt: skip
+    return config, modeling.KimiLinearDeltaAttention(config, 0)
+
+
+def test_parameters_and_outputs_equal_transformers(hf: tuple[object, torch.nn.Module]) -> None:
+    config, theirs = hf
+    ours = KimiDeltaAttention.from_config(config, 0)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0.0, 0.3)
+        theirs.forget_gate.A_log.uniform_(0.0, 1.5)
+    shapes = {n: tuple(p.shape) for n, p in theirs.state_dict().items()}
+    assert {n: tuple(p.shape) for n, p in ours.state_dict().items()} == shapes
+    ours.load_state_dict(theirs.state_dict())
+    x = hidden(2, 70)
+    with torch.no_grad():
+        assert_rel(ours(x)[0], theirs(x), 1e-5)
+
+
+def test_other_transformers_release_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setattr(transformers, "__version__", "4.57.0")
+    with pytest.raises(NotImplementedError, match="transformers 4.57.0"):
+        check_transformers()
+
+
+def test_packed_rows_equal_one_call_per_sequence() -> None:
+    m = layer()
+    lens = [5, 0, 70, 3]
+    x = hidden(1, sum(lens))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    with torch.no_grad():
+        y, s = m(x, cu_seqlens=cu, use_cache=True)
+        assert s is not None
+        for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+            if a == b:
+                assert torch.equal(s.recurrent[n], torch.zeros_like(s.recurrent[n]))
+                continue
+            y_n, s_n = m(x[:, a:b], use_cache=True)
+            assert s_n is not None
+            assert_rel(y[:, a:b], y_n, 1e-5)
+            assert_rel(s.recurrent[n : n + 1], s_n.recurrent, 1e-5)
+            assert torch.allclose(s.conv[n : n + 1], s_n.conv, atol=1e-6)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_mask_equals_the_unpadded_call(side: str) -> None:
+    m = layer()
+    x, pad = hidden(1, 40), hidden(1, 7, seed=2)
+    padded = torch.cat([pad, x], dim=1) if side == "left" else torch.cat([x, pad], dim=1)
+    real = slice(7, 47) if side == "left" else slice(0, 40)
+    mask = torch.zeros(1, 47, dtype=torch.long)
+    mask[:, real] = 1
+    with torch.no_grad():
+        y, s = m(x, use_cache=True)
+        y_p, s_p = m(padded, attention_mask=mask, use_cache=True)
+    assert s is not None and s_p is not None
+    assert_rel(y_p[:, real], y, 1e-5)
+    assert_rel(s_p.recurrent, s.recurrent, 1e-5)
+    if side == "left":
+        assert torch.allclose(s_p.conv, s.conv, atol=1e-6)
+
+
+def test_state_carries_prefill_and_decode() -> None:
+    m = layer()
+    x = hidden(2, 30)
+    with torch.no_grad():
+        y, s = m(x, use_cache=True)
+        y1, s1 = m(x[:, :17], use_cache=True)
+        y2, s2 = m(x[:, 17:27], state=s1)
+        ys, st = [y1, y2], s2
+        for t in range(27, 30):  # decode steps, the recurrent schedule
+            y_t, st = m(x[:, t : t + 1], state=st)
+            ys.append(y_t)
+    assert s is not None and st is not None
+    assert_rel(torch.cat(ys, dim=1), y, 1e-5)
+    assert_rel(st.recurrent, s.recurrent, 1e-5)
+    assert torch.allclose(st.conv, s.conv, atol=1e-5)
+
+
+def test_gradients_flow_to_every_parameter() -> None:
+    m = layer()
+    y, _ = m(hidden(1, 20), attention_mask=torch.tensor([[0] * 3 + [1] * 17]))
+    y.square().sum().backward()
+    for name, p in m.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+
+
+def test_bad_state_and_mask_name_the_argument() -> None:
+    m = layer()
+    x = hidden(2, 5)
+    bad = KimiState(conv=torch.zeros(2, 3 * H * K, CONV), recurrent=torch.zeros(2, H, K, K))
+    with pytest.raises(ValueError, match="state.conv"):
+        m(x, state=bad)
+    with pytest.raises(ValueError, match="attention_mask"):
+        m(x, attention_mask=torch.ones(2, 4))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        m(x, cu_seqlens=torch.tensor([0, 5, 10]))
+
+
+def test_traces_without_graph_breaks() -> None:
+    m = layer()
+    x = hidden(2, 9)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :3] = 0
+    compiled = torch.compile(m, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        y, s = compiled(x, attention_mask=mask, use_cache=True)
+        y_e, s_e = m(x, attention_mask=mask, use_cache=True)
+        y1, _ = compiled(x[:, :1], state=s_e)
+    assert s is not None and s_e is not None
+    assert torch.equal(y, y_e) and torch.equal(s.recurrent, s_e.recurrent)
+    assert torch.equal(y1, m(x[:, :1], state=s_e)[0])
