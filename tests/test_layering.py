@@ -3,9 +3,9 @@
 
 - ``kda_ops.reference`` (the oracle) and ``kda_ops.triton`` (the kernels) never import each other: the tests compare
   the two, and a kernel that borrowed the oracle's code would be checked against itself;
-- only ``kda_ops/__init__.py``, ``kda_ops/_warmup.py``, ``kda_ops/nn.py``, ``kda_ops/__main__.py`` and
-  ``kda_ops/compat/fla.py`` import ``kda_ops.api`` (the public functions sit on top of everything else; the
-  compat module renames them);
+- only ``kda_ops/__init__.py``, ``kda_ops/_warmup.py``, ``kda_ops/nn.py``, ``kda_ops/__main__.py``,
+  ``kda_ops/compat/fla.py`` and ``kda_ops/integrations/transformers.py`` import ``kda_ops.api`` (the public
+  functions sit on top of everything else; the compat module renames them, the integration plugs them in);
 - nothing under ``kda_ops.triton`` or ``kda_ops.reference`` imports ``kda_ops.ops`` (the ops pick the kernels; the
   kernels do not know the ops);
 - nothing outside ``kda_ops.compat`` imports it, and it imports nothing of the package but ``kda_ops.api`` (the
@@ -30,7 +30,8 @@ import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "kda_ops"
-API_IMPORTERS = frozenset({"kda_ops", "kda_ops._warmup", "kda_ops.nn", "kda_ops.__main__", "kda_ops.compat.fla"})
+API_IMPORTERS = frozenset({"kda_ops", "kda_ops._warmup", "kda_ops.nn", "kda_ops.__main__", "kda_ops.compat.fla",
+                           "kda_ops.integrations.transformers"})
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""Switches that put kda-ops under other libraries' models: :mod:`kda_ops.integrations.transformers`."""
