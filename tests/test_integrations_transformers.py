@@ -65,3 +65,20 @@ def test_refusals_name_the_problem(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(transformers, "__version__", "9.0.0")
     with pytest.raises(NotImplementedError, match="transformers 9.0.0"):
         integration.apply_kda_ops(tiny_model())
+
+
+@pytest.mark.usefixtures("restored")
+def test_gradients_equal_transformers() -> None:
+    ids = torch.randint(3, 64, (2, 70), generator=torch.Generator().manual_seed(2))
+
+    def grads() -> dict[str, torch.Tensor]:
+        model = tiny_model().train()
+        model(ids).logits.square().mean().backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    theirs = grads()
+    integration.apply_kda_ops(tiny_model())
+    ours = grads()
+    assert ours.keys() == theirs.keys() and any("forget_gate" in n for n in ours)
+    for n in ours:
+        assert_rel(ours[n], theirs[n], 1e-4, n)

@@ -58,6 +58,25 @@ def test_parameters_and_outputs_equal_transformers(hf: tuple[object, torch.nn.Mo
         assert_rel(ours(x)[0], theirs(x), 1e-5)
 
 
+def test_prefill_then_decode_steps_equal_transformers(hf: tuple[object, torch.nn.Module]) -> None:
+    """Our prefill of 20 tokens and 16 decode steps against transformers' layer over all 36 (it is causal)."""
+    config, theirs = hf
+    ours = KimiDeltaAttention.from_config(config, 0)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0.0, 0.3)
+        theirs.forget_gate.A_log.uniform_(0.0, 1.5)
+    ours.load_state_dict(theirs.state_dict())
+    x = hidden(2, 36, seed=3)
+    with torch.no_grad():
+        y, st = ours(x[:, :20], use_cache=True)
+        ys = [y]
+        for t in range(20, 36):
+            y_t, st = ours(x[:, t : t + 1], state=st)
+            ys.append(y_t)
+        assert_rel(torch.cat(ys, dim=1), theirs(x), 1e-5)
+
+
 def test_other_transformers_release_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     transformers = pytest.importorskip("transformers")
     monkeypatch.setattr(transformers, "__version__", "4.57.0")
