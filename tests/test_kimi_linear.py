@@ -43,16 +43,22 @@ def hf() -> object:
     return config, modeling.KimiLinearDeltaAttention(config, 0)
 
 
-def test_parameters_and_outputs_equal_transformers(hf: tuple[object, torch.nn.Module]) -> None:
+def loaded(hf: tuple[object, torch.nn.Module]) -> tuple[torch.nn.Module, KimiDeltaAttention]:
+    """transformers' layer with random weights, and ours built from the same config with its state dict loaded."""
     config, theirs = hf
     ours = KimiDeltaAttention.from_config(config, 0)
     with torch.no_grad():
         for p in theirs.parameters():
             p.normal_(0.0, 0.3)
         theirs.forget_gate.A_log.uniform_(0.0, 1.5)
+    ours.load_state_dict(theirs.state_dict())
+    return theirs, ours
+
+
+def test_parameters_and_outputs_equal_transformers(hf: tuple[object, torch.nn.Module]) -> None:
+    theirs, ours = loaded(hf)
     shapes = {n: tuple(p.shape) for n, p in theirs.state_dict().items()}
     assert {n: tuple(p.shape) for n, p in ours.state_dict().items()} == shapes
-    ours.load_state_dict(theirs.state_dict())
     x = hidden(2, 70)
     with torch.no_grad():
         assert_rel(ours(x)[0], theirs(x), 1e-5)
@@ -60,13 +66,7 @@ def test_parameters_and_outputs_equal_transformers(hf: tuple[object, torch.nn.Mo
 
 def test_prefill_then_decode_steps_equal_transformers(hf: tuple[object, torch.nn.Module]) -> None:
     """Our prefill of 20 tokens and 16 decode steps against transformers' layer over all 36 (it is causal)."""
-    config, theirs = hf
-    ours = KimiDeltaAttention.from_config(config, 0)
-    with torch.no_grad():
-        for p in theirs.parameters():
-            p.normal_(0.0, 0.3)
-        theirs.forget_gate.A_log.uniform_(0.0, 1.5)
-    ours.load_state_dict(theirs.state_dict())
+    theirs, ours = loaded(hf)
     x = hidden(2, 36, seed=3)
     with torch.no_grad():
         y, st = ours(x[:, :20], use_cache=True)
