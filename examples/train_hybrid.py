@@ -7,8 +7,8 @@ and the loss is the next-token cross entropy after the first block (its floor is
 ``log(VOCAB)``). Every model starts from the same weights and sees the same batches; transformers' path runs eager
 (see ``main``).
 
-Usage: ``python examples/train_hybrid.py [--steps 300] [--device cpu|cuda] [--out DIR]``; writes ``loss.png`` and
-``train_hybrid.md`` (the loss and tokens/s table) to ``--out``.
+Usage: ``python examples/train_hybrid.py [--steps 300] [--device cpu|cuda] [--out DIR]``; writes
+``train_hybrid_loss.png`` and ``train_hybrid.md`` (the loss and tokens/s table) to ``--out``.
 """
 
 from __future__ import annotations
