@@ -10,6 +10,7 @@ whose ``state_dict`` loads from transformers' ``KimiLinearDeltaAttention`` as it
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -334,7 +335,7 @@ def check_transformers() -> None:
     """Refuse a transformers release whose Kimi Linear layer this package does not reproduce (nothing when
     transformers is not installed)."""
     try:
-        import transformers
+        transformers: Any = importlib.import_module("transformers")
     except ImportError:
         return
     version = str(transformers.__version__)
