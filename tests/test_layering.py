@@ -31,7 +31,7 @@ import pytest
 SRC = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "kda_ops"
 API_IMPORTERS = frozenset({"kda_ops", "kda_ops._warmup", "kda_ops.nn", "kda_ops.__main__", "kda_ops.compat.fla",
-                           "kda_ops.integrations.transformers"})
+                           "kda_ops.integrations.transformers", "kda_ops.distributed"})
 
 
 @dataclass(frozen=True)
