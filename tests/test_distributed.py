@@ -143,11 +143,14 @@ def _check(worst: dict[str, dict[str, float]], world: int) -> None:
         assert not bad, f"{world} ranks, {name}: errors over {TOL[dtypes[name]]:.0e}: {bad}"
 
 
+# the spawns take ~60 s on two cores and no Triton: they run in the rows of the whole suite only
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_distributed_equals_one_process(world: int) -> None:
     _check(_spawn(world, [c["name"] for c in CASES]), world)
 
 
+@pytest.mark.slow
 def test_distributed_compiles_fullgraph() -> None:
     _check(_spawn(2, ["packed-crossing", "dense-f32"], compiled=True), 2)
 
@@ -173,6 +176,7 @@ def test_distributed_names_the_bad_argument(tmp_path: Path) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_torchrun_example_runs() -> None:
     """examples/context_parallel.py under torchrun, 2 CPU ranks, as docs/distributed.md shows it."""
     import subprocess
