@@ -20,6 +20,8 @@ SCHEDULES: dict[str, Callable[..., Any]] = {"chunk": kda_ops.chunk_kda, "recurre
 # K != V, so that a state read in the wrong layout cannot pass for the right one; HV = 2 H (grouped value heads)
 H, HV, K, V = 1, 2, 8, 16
 CU = [0, 30, 30, 100]  # packed: an empty sequence, one longer than a chunk
+# the per-token schedule has no chunk to cross: shorter sequences (its kernel runs each token under the interpreter)
+CU_TOKENWISE = [0, 9, 9, 24]
 
 
 def vf(x: torch.Tensor) -> torch.Tensor:
@@ -27,12 +29,13 @@ def vf(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(-1, -2).contiguous()
 
 
-def batch(packed: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, int]:
+def batch(packed: bool, tokenwise: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, int]:
     """Inputs (gate and beta sigmoid in kernel), ``cu_seqlens`` and the number of sequences."""
-    B, T = (1, CU[-1]) if packed else (2, 70)
+    cu_list = CU_TOKENWISE if tokenwise else CU
+    B, T = (1, cu_list[-1]) if packed else (2, 20 if tokenwise else 70)
     x = make_inputs(B, T, H, K, V, HV=HV, gate_in_kernel=True, beta_logits=True)
-    cu = torch.tensor(CU) if packed else None
-    return x, cu, len(CU) - 1 if packed else B
+    cu = torch.tensor(cu_list) if packed else None
+    return x, cu, len(cu_list) - 1 if packed else B
 
 
 def options(x: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -68,7 +71,7 @@ def test_v_first_is_k_first_transposed(schedule: str, packed: bool, h0: bool, ba
     """Outputs, final state and every gradient (the initial state's transposed) equal bit for bit."""
     fn = SCHEDULES[schedule.split("_")[0]]
     kw = {"recompute_in_backward": True} if schedule == "chunk_recompute" else {}
-    x, cu, N = batch(packed)
+    x, cu, N = batch(packed, tokenwise=schedule == "recurrent")
     state = make_state(N, HV, K, V) if h0 else None
     dst = make_state(N, HV, K, V, seed=2)
     with ops.cpu_backend(backend):
