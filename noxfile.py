@@ -30,9 +30,9 @@ TRANSFORMERS = "5.17.0"
 
 # (torch, triton, numpy pin, whole suite): triton <= 3.6's interpreter breaks with numpy >= 2.4. The last row checks
 # that the package and its tests run without triton at all. The whole suite runs on triton 3.6 (the GPU's) and
-# without triton; the other triton rows leave out the tests marked ``slow`` (the sweeps over options and gates of one
-# stage, gradcheck, compiled training steps), which keeps every kernel family under the interpreter and every
-# sm_90 compile check: on a 2-core machine such a row takes ~2 min of tests, the whole suite ~7.
+# without triton; the other triton rows run tests/triton and the serving tests, leaving out those marked ``slow``
+# (the sweeps over options and gates of one stage, gradcheck, compiled training steps), which keeps every kernel
+# family under the interpreter and every sm_90 compile check.
 MATRIX = [
     nox.param(TORCH, "3.6.0", "numpy<2.4", True, id="torch2.13-triton3.6"),
     nox.param(TORCH, "3.7.1", "numpy", False, id="torch2.13-triton3.7"),
@@ -96,10 +96,10 @@ def tests(session: nox.Session, torch: str, triton: str | None, numpy: str | Non
         )
     # one worker per core (at most 4): the interpreter runs each test on one core, and CI has two
     workers = ["-n", str(min(4, os.cpu_count() or 1))]
-    select = [] if whole else ["-m", "not slow"]
-    session.run(
-        "python", "-m", "pytest", "-q", *workers, *select, "tests", *session.posargs, env={"TRITON_INTERPRET": "1"}
-    )
+    # the other triton rows: the kernel families and their sm_90 compile checks (tests/triton) and the serving
+    # kernels, without the slow sweeps; the layers above the kernels do not depend on the triton release
+    select = ["tests"] if whole else ["-m", "not slow", "tests/triton", "tests/test_serving.py"]
+    session.run("python", "-m", "pytest", "-q", *workers, *select, *session.posargs, env={"TRITON_INTERPRET": "1"})
 
 
 @nox.session
