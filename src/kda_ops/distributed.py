@@ -156,12 +156,13 @@ def chunk_kda(
     # the all-gather's reduce-scatter, or the ranks that do wait forever
     incoming = entering[rank] if rank > 0 else torch.where(torch.zeros((), dtype=torch.bool, device=q.device),
                                                            summaries[0, ..., K:], 0.0)  # fmt: skip
+    # the sum in the state's precision, rounded once to the output's dtype
     if cu_seqlens is None:
-        o = o + torch.einsum("bthk,bhkv->bthv", P.to(dtype), incoming).to(o.dtype)
+        o = (o.to(dtype) + torch.einsum("bthk,bhkv->bthv", P.to(dtype), incoming)).to(o.dtype)
     else:
         # only the sequence in progress at the slice's start has carried tokens here: P is zero elsewhere
         n0 = (cu_seqlens[1:] <= start).sum().clamp(max=N - 1).view(1)
-        o = o + torch.einsum("bthk,bhkv->bthv", P.to(dtype), incoming.index_select(0, n0)).to(o.dtype)
+        o = (o.to(dtype) + torch.einsum("bthk,bhkv->bthv", P.to(dtype), incoming.index_select(0, n0))).to(o.dtype)
     if not output_final_state:
         return o, None
     final_states = entering[world]
