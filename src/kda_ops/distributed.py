@@ -24,9 +24,9 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 from torch import Tensor
 
-from kda_ops.api import MAX_HEAD_DIM
+from kda_ops.api import MAX_HEAD_DIM, _check_cu_seqlens_values, _check_shape, _layout, check_flags
 from kda_ops.api import chunk_kda as _chunk_kda
-from kda_ops.common import state_shape, transposed
+from kda_ops.common import state_dtype, state_shape, transposed
 from kda_ops.reference.segments import segment_states
 
 # the autograd all-gather's name since torch 2.12, and before
@@ -45,10 +45,7 @@ def _slice_offset(T: int, rank: int, group: Any, cu_seqlens: Tensor) -> Tensor:
     ``cu_seqlens`` is checked against the whole row in eager mode (reading it does not synchronise a device)."""
     lengths = _gather(torch.full((1,), T, dtype=torch.int64, device=cu_seqlens.device), group).view(-1)
     if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
-        cu, total = cu_seqlens.tolist(), int(lengths.sum())  # sync-ok: CPU tensors, eager only
-        if cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens: expected the whole row's offsets, non-decreasing from 0 to the sum of "
-                             f"the ranks' slice lengths {total}, got {cu}")  # fmt: skip
+        _check_cu_seqlens_values(cu_seqlens, int(lengths.sum()))  # sync-ok: CPU tensors, eager only
     return lengths[:rank].sum()
 
 
@@ -93,8 +90,7 @@ def chunk_kda(
         raise ValueError("group: torch.distributed is not initialised (call torch.distributed.init_process_group)")
     group = dist.group.WORLD if group is None else group
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if not isinstance(output_final_state, bool):
-        raise TypeError(f"output_final_state: expected a bool, got {type(output_final_state).__name__}")
+    check_flags(("output_final_state", output_final_state), ("state_v_first", state_v_first))
     if q.dim() != 4 or v.dim() != 4:
         bad = "q" if q.dim() != 4 else "v"
         raise ValueError(f"{bad}: expected a 4-D tensor, got shape {list((q if bad == 'q' else v).shape)}")
@@ -103,11 +99,9 @@ def chunk_kda(
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if initial_state is not None:
         want = state_shape(N, HV, K, V, state_v_first)
-        if tuple(initial_state.shape) != want:
-            layout = "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]"
-            raise ValueError(f"initial_state: expected shape {list(want)} ({layout}), got {list(initial_state.shape)}")
+        _check_shape("initial_state", initial_state, want, _layout("N", state_v_first))
         initial_state = transposed(initial_state) if state_v_first else initial_state
-    dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
+    dtype = state_dtype(v)
     options: dict[str, Any] = dict(
         scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
         A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
@@ -119,15 +113,17 @@ def chunk_kda(
     local_cu = None
     if cu_seqlens is None:
         carried = torch.full((N,), rank > 0, dtype=torch.bool, device=q.device)
-        h0 = initial_state if rank == 0 else None
+        h0 = None if initial_state is None or rank > 0 else initial_state.to(dtype)
     else:
         start = _slice_offset(T, rank, group, cu_seqlens)
         local_cu = (cu_seqlens - start).clamp(0, T).to(cu_seqlens.dtype)
         carried = cu_seqlens[:-1] < start
-        # the first rank's copy, on every rank (sequences may start anywhere); its gradient returns to it
-        h0 = None if initial_state is None else _gather(initial_state.to(dtype), group)[0]
-    if h0 is not None:
-        h0 = h0.to(dtype) * (~carried).to(dtype)[:, None, None, None]
+        # the first rank's copy, on every rank (sequences may start anywhere; its gradient returns to it), kept for
+        # the sequences that start in this slice
+        if initial_state is not None:
+            h0 = _gather(initial_state.to(dtype), group)[0] * (~carried).to(dtype)[:, None, None, None]
+        else:
+            h0 = None
 
     # The slice from the states it can know, in K + V columns: [v | 0] from [h0 | I] (the identity on carried
     # sequences only), in one call when the columns fit a head, else two.
