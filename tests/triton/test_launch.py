@@ -77,6 +77,13 @@ def test_launch_configuration_caps_tiles_at_the_head_dimension() -> None:
                    "BV": 16}  # fmt: skip
 
 
+def test_launch_configuration_caps_warps_at_narrow_tiles() -> None:
+    """At K = V = 16 the backward's dq/dk stage runs 4 warps, one per 16 x 16 block of its [64, 16] tiles (8 read
+    out of bounds on the GPU); at K = V = 128 it keeps its configured 8."""
+    assert launch.launch("dqk", BK=16, BV=16)["num_warps"] == 4
+    assert launch.launch("dqk", BK=128, BV=128)["num_warps"] == launch.LAUNCH["dqk"]["num_warps"] == 8
+
+
 def test_programmatic_dependent_launch_only_where_supported() -> None:
     """Off CUDA (and under the interpreter) the forward's kernels launch plainly; the toolkit gate reads versions."""
     assert dict(launch.pdl(torch.device("cpu"))) == {"PDL": False}

@@ -37,6 +37,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kda_ops.common import CHUNK_SIZE
+
 
 def _arg_key(args: Sequence[Any]) -> tuple[Any, ...] | None:
     """The launch key's part for the runtime arguments (see the module docstring), two entries per argument whatever
@@ -183,15 +185,25 @@ def recurrent_bwd_config(K: int, V: int) -> tuple[int, int, int]:
     return BK, BV, min(8, max(1, BK * BV // RECURRENT_BWD_ELEMENTS_PER_WARP))
 
 
+# Where a head dimension narrows a stage's tile, at most one warp per 16 x 16 block of a chunk's rows by that tile:
+# with more warps than that Triton 3.6's products read past their shared-memory operands (compute-sanitizer on an
+# H200: "Invalid __shared__ read of size 256 bytes" in the backward's dq/dk kernel at K = V = 16 with 8 warps).
+WARP_BLOCK = 16 * 16
+
+
 def launch(stage: str, table: Mapping[str, Mapping[str, int]] = LAUNCH, **tiles: int) -> dict[str, int]:
     """The ``num_warps``/``num_stages`` of ``stage``'s kernel in ``table`` (the test-only stage kernels keep a table
     of their own), and each tile of ``tiles`` (``name=dim``) as the configured tile capped at ``pow2(dim)``: keyword
-    arguments for the launch."""
+    arguments for the launch. The warps are capped by :data:`WARP_BLOCK`."""
     cfg = table[stage]
     out = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    narrowed = [pow2(dim) for name, dim in tiles.items() if pow2(dim) < cfg[name]]
     for name, dim in tiles.items():
         out[name] = min(pow2(dim), cfg[name])
+    if narrowed:
+        out["num_warps"] = min(out["num_warps"], max(1, CHUNK_SIZE * min(narrowed) // WARP_BLOCK))
     return out
+
 
 
 def interpreting() -> bool:
