@@ -31,10 +31,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _bench  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import _bench  # noqa: E402
 from kda_ops.compat import fla as ours  # noqa: E402
 from kda_ops.reference import naive_recurrent_kda  # noqa: E402
 from kda_ops.testing import rel_err  # noqa: E402
@@ -127,15 +127,19 @@ def compare(fla_fn: Callable[..., Any] | None) -> list[str]:
         for who, out in got.items():
             errs = [f"{rel_err(out[n], ref[n]):.2e}" if n in out else "-" for n in names]
             lines.append(f"| {who} | " + " | ".join(errs) + " |")
-        print("\n".join(lines[-2 - len(got):]), flush=True)
+        print("\n".join(lines[-2 - len(got) :]), flush=True)
     return lines
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--wheels", nargs="*", default=sorted(glob.glob(str(ROOT / ".whl" / "*.whl"))),
-                        help="fla-core and einops wheels to import fla from when it is not installed")
+    parser.add_argument(
+        "--wheels",
+        nargs="*",
+        default=sorted(glob.glob(str(ROOT / ".whl" / "*.whl"))),
+        help="fla-core and einops wheels to import fla from when it is not installed",
+    )
     parser.add_argument("--skip-fla", action="store_true", help="ours and the oracle only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
