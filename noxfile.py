@@ -172,6 +172,21 @@ def gpu(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+def sanitize(session: nox.Session) -> None:
+    """Every Triton kernel and launch form once (``tests/gpu/test_every_kernel.py``) under compute-sanitizer, in the
+    machine's own Python: memcheck, then racecheck; ``nox -s sanitize -- memcheck`` runs one tool. Each tool's run
+    fails on the first error report. torch's caching allocator is off so that memcheck sees each tensor's own bounds.
+    """
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
+           "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}  # fmt: skip
+    session.run("python", "-c", "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device')")
+    tests = str(ROOT / "tests" / "gpu" / "test_every_kernel.py")
+    for tool in session.posargs or ["memcheck", "racecheck"]:
+        session.run("compute-sanitizer", "--tool", tool, "--error-exitcode", "1", "--print-limit", "20", "python",
+                    "-m", "pytest", "-q", "-p", "no:cacheprovider", tests, env=env, external=True)  # fmt: skip
+
+
+@nox.session(venv_backend="none")
 def bench(session: nox.Session) -> None:
     """Benchmarks in the machine's own Python.
 
