@@ -19,12 +19,13 @@ and fla at T = 1000, and ours at T = 32768 (the oracle runs per group of 4 heads
 
 Options: ``--precision-sweep`` times and measures alternatives to the default per-product precision of bf16
 inputs (the numbers behind ``kda_ops/triton/chunk/precision.py``); ``--sweep-bv`` times every value tile of the state
-scan (``kda_ops/triton/chunk/scan.py``); ``--quick`` skips the T sweep and the T = 32768 error.
+scan (``kda_ops/triton/chunk/scan.py``); ``--bh-sweep`` times B1 T32768 at 1 to 64 heads (the split scan's range
+and beyond, plotted as ``bench_chunk_bh.png``); ``--quick`` skips the T sweep and the T = 32768 error.
 
 fla is imported from the environment, or from wheels given by ``--wheels`` (default: ``.whl/*.whl`` of the
 repository: fla_core-0.6.0 and einops), unpacked into a temporary folder at run time.
 
-Usage: ``python benchmarks/bench_chunk.py [--out DIR] [--quick] [--precision-sweep] [--sweep-bv]``. Writes
+Usage: ``python benchmarks/bench_chunk.py [--out DIR] [--quick] [--precision-sweep] [--sweep-bv] [--bh-sweep]``. Writes
 ``bench_chunk.md``, ``bench_chunk.json`` and ``bench_chunk.png`` to ``--out`` (default ``benchmarks/results``);
 the markdown table is printed last.
 """
@@ -64,6 +65,10 @@ C = 64
 SHAPES = [(1, 32768, 32), (8, 4096, 32), (2, 16384, 16), (1, 32768, 8), (1, 32768, 4)]
 SWEEP_T = [512, 1024, 2048, 4096, 8192, 16384, 32768]
 SWEEP_TOKENS, SWEEP_H = 32768, 32
+# the B·H sweep: heads of one sequence of BH_SWEEP_T tokens, from one head (a sequence split across the card) to
+# twice the main rows' heads
+BH_SWEEP_H = [1, 2, 4, 8, 16, 32, 64]
+BH_SWEEP_T = 32768
 
 
 def load_fla(wheels: list[str]) -> tuple[Callable[..., Any] | None, str]:
@@ -295,22 +300,26 @@ def breakdown(B: int, T: int, H: int) -> list[str]:
     return lines
 
 
-def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+def plot(rows: list[dict[str, Any]], path: Path, title: str, x: str = "T") -> None:
+    """Time against ``x`` (``"T"``: the T sweep; ``"H"``: the B·H sweep) on log axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    T = [r["T"] for r in rows]
+    xs = [r[x] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(T, [r["ours_ms"] for r in rows], "o-", label="kda_ops chunk_kda")
+    ax.plot(xs, [r["ours_ms"] for r in rows], "o-", label="kda_ops chunk_kda")
     if all(r["fla_ms"] is not None for r in rows):
-        ax.plot(T, [r["fla_ms"] for r in rows], "s-", label="fla-core 0.6.0 chunk_kda")
-    ax.plot(T, [r["sdpa_ms"] for r in rows], "^-", label="SDPA (causal)")
-    ax.plot(T, [r["floor_ms"] for r in rows], "k:", label="KDA memory floor")
+        ax.plot(xs, [r["fla_ms"] for r in rows], "s-", label="fla-core 0.6.0 chunk_kda")
+    ax.plot(xs, [r["sdpa_ms"] for r in rows], "^-", label="SDPA (causal)")
+    ax.plot(xs, [r["floor_ms"] for r in rows], "k:", label="KDA memory floor")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel(f"T (B = {SWEEP_TOKENS} / T, H = {SWEEP_H}, K = V = {D}, bf16)")
+    if x == "T":
+        ax.set_xlabel(f"T (B = {SWEEP_TOKENS} / T, H = {SWEEP_H}, K = V = {D}, bf16)")
+    else:
+        ax.set_xlabel(f"B·H (B = 1, T = {BH_SWEEP_T}, K = V = {D}, bf16)")
     ax.set_ylabel("forward, ms (median)")
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
@@ -328,6 +337,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="no T sweep, no T = 32768 error")
     parser.add_argument("--precision-sweep", action="store_true")
     parser.add_argument("--sweep-bv", action="store_true")
+    parser.add_argument("--bh-sweep", action="store_true", help=f"time B1 T{BH_SWEEP_T} at H in {BH_SWEEP_H}")
     parser.add_argument("--skip-fla", action="store_true",
                         help="leave fla out (its first call at each new shape autotunes for a long time)")  # fmt: skip
     args = parser.parse_args()
@@ -347,6 +357,12 @@ def main() -> None:
         print("T sweep", file=sys.stderr)
         for T in SWEEP_T:
             sweep.append(row(SWEEP_TOKENS // T, T, SWEEP_H, fla_fn, bw))
+            torch.cuda.empty_cache()
+    bh: list[dict[str, Any]] = []
+    if args.bh_sweep:
+        print("B·H sweep", file=sys.stderr)
+        for H in BH_SWEEP_H:
+            bh.append(row(1, BH_SWEEP_T, H, fla_fn, bw))
             torch.cuda.empty_cache()
 
     print("accuracy", file=sys.stderr)
@@ -390,6 +406,8 @@ def main() -> None:
     lines = header + table(rows)
     if sweep:
         lines += ["", f"T sweep at B * T = {SWEEP_TOKENS}, H = {SWEEP_H}:", ""] + table(sweep)
+    if bh:
+        lines += ["", f"B·H sweep at B = 1, T = {BH_SWEEP_T}:", ""] + table(bh)
     lines += ["", "Relative error against the float64 reference (same bf16 inputs, H = 32):", "",
               "| implementation | T | o | final state |", "|---|---|---|---|"] + acc + extra  # fmt: skip
     text = "\n".join(lines) + "\n"
@@ -397,10 +415,15 @@ def main() -> None:
     (args.out / "bench_chunk.md").write_text(text)
     (args.out / "bench_chunk.json").write_text(json.dumps(
         {"date": today, "gpu": gpu, "versions": versions, "copy_bandwidth": bw, "shapes": rows, "sweep": sweep,
-         "accuracy": acc, "extra": extra}, indent=1))  # fmt: skip
+         "bh_sweep": bh, "accuracy": acc, "extra": extra}, indent=1))  # fmt: skip
     if sweep:
         try:
             plot(sweep, args.out / "bench_chunk.png", f"Chunkwise KDA forward, {gpu}")
+        except Exception as e:  # noqa: BLE001 - no matplotlib: the table still stands
+            print(f"no plot: {type(e).__name__}: {e}", file=sys.stderr)
+    if bh:
+        try:
+            plot(bh, args.out / "bench_chunk_bh.png", f"Chunkwise KDA forward by heads, {gpu}", x="H")
         except Exception as e:  # noqa: BLE001 - no matplotlib: the table still stands
             print(f"no plot: {type(e).__name__}: {e}", file=sys.stderr)
     print(text)

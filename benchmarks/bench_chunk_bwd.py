@@ -4,14 +4,15 @@ Same call on both KDA sides (``bench_chunk.py``'s inputs): q, k, v bf16 ``[B, T,
 ``use_qk_l2norm_in_kernel=True``, g = logsigmoid(randn) fp32, beta bf16 in [0, 1], ``output_final_state=True``;
 the backward with a random ``do`` (bf16) and ``dht`` (fp32). SDPA (causal) forward + backward on the same q, k, v
 as ``[B, H, T, 128]``. Shapes: (B, T, H) in {(1, 32768, 32), (8, 4096, 32), (2, 16384, 16), (1, 32768, 8),
-(1, 32768, 4)}.
+(1, 32768, 4)}; with ``--bh-sweep`` also B1 T32768 at 1 to 64 heads.
 
 Columns: GPU ms of forward + backward (``triton.testing.do_bench`` median after a compiling, autotuning call),
 peak memory above the inputs (``torch.cuda.max_memory_allocated`` minus what was allocated before the call, reset
 before each), ours / fla. Accuracy at T = 1000: relative error of every bf16 gradient of ours and of fla against
 the float64 oracle (``kda_ops.reference.chunk_bwd`` on float64 copies of the same inputs).
 
-Usage: ``python benchmarks/bench_chunk_bwd.py [--out DIR] [--wheels W ...] [--shapes N] [--skip-fla] [--profile]``
+Usage: ``python benchmarks/bench_chunk_bwd.py [--out DIR] [--wheels W ...] [--shapes N] [--skip-fla] [--profile]
+[--bh-sweep]``
 (``--profile``: our kernels' GPU time at the first shape); writes ``bench_chunk_bwd.md``,
 ``.json`` and ``.png`` to ``--out`` (default ``benchmarks/results``); the markdown table is printed last.
 """
@@ -32,7 +33,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_chunk import DEV, ROOT, SHAPES, inputs, load_fla  # noqa: E402
+from bench_chunk import BH_SWEEP_H, BH_SWEEP_T, DEV, ROOT, SHAPES, inputs, load_fla  # noqa: E402
 
 import kda_ops  # noqa: E402
 from kda_ops import reference  # noqa: E402
@@ -115,6 +116,8 @@ def main() -> None:
     ap.add_argument("--skip-fla", action="store_true",
                     help="leave fla out (its first call at a new shape autotunes for minutes)")  # fmt: skip
     ap.add_argument("--profile", action="store_true", help="also list our kernels' GPU time at the first shape")
+    ap.add_argument("--bh-sweep", action="store_true",
+                    help=f"also time B1 T{BH_SWEEP_T} at H in {BH_SWEEP_H} (bench_chunk.py's B·H sweep)")  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_chunk_bwd: needs a CUDA GPU")
@@ -123,6 +126,8 @@ def main() -> None:
     fla_fn, fla_src = (None, "fla skipped") if args.skip_fla else load_fla(args.wheels)
     rows: list[dict[str, Any]] = []
     picked = SHAPES[: args.shapes] if args.only is None else [SHAPES[i] for i in args.only]
+    if args.bh_sweep:
+        picked += [(1, BH_SWEEP_T, H) for H in BH_SWEEP_H if (1, BH_SWEEP_T, H) not in picked]
     for B, T, H in picked:
         print(f"timing B{B} T{T} H{H}", file=sys.stderr, flush=True)
         x = inputs(B, T, H)
