@@ -33,10 +33,11 @@ def chunk_kimi_delta_attention(
     **kwargs: Any,
 ) -> tuple[Tensor, Tensor | None]:
     """transformers' ``chunk_kimi_delta_attention`` by :func:`kda_ops.chunk_kda` (``[B, T, H, *]`` inputs, the
-    final state in float32). ``chunk_size`` is how the peer computes, not what: accepted and unused; a
-    ``cu_seqlens`` keyword passes on."""
-    return chunk_kda(query, key, value, g, beta, initial_state=initial_state, output_final_state=output_final_state,
-                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+    states in float32, as the decode step takes them). ``chunk_size`` is how the peer computes, not what: accepted
+    and unused; a ``cu_seqlens`` keyword passes on."""
+    return chunk_kda(query, key, value, g, beta,
+                     initial_state=None if initial_state is None else initial_state.float(),
+                     output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                      cu_seqlens=kwargs.get("cu_seqlens"))  # fmt: skip
 
 
