@@ -171,3 +171,74 @@ def test_traces_without_graph_breaks() -> None:
     assert s is not None and s_e is not None
     assert torch.equal(y, y_e) and torch.equal(s.recurrent, s_e.recurrent)
     assert torch.equal(y1, m(x[:, :1], state=s_e)[0])
+
+
+def pools(S: int = 6, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(S, 3 * H * K, CONV - 1, generator=gen),
+            torch.randn(S, H, K, K, generator=gen) * 0.3)  # fmt: skip
+
+
+def test_pool_form_equals_the_state_form_prefill_then_decode() -> None:
+    """Slots [4, -1, 1]: the real sequences' outputs and written slots equal the state form's from the gathered
+    states; the padding sequence's outputs are zeros; every other slot is unchanged bit for bit."""
+    m = layer()
+    conv0, rec0 = pools()
+    conv_pool, state_pool = conv0.clone(), rec0.clone()
+    idx = torch.tensor([4, -1, 1])
+    real, slots = torch.tensor([0, 2]), torch.tensor([4, 1])
+    x = hidden(3, 20)
+    with torch.no_grad():
+        y = m.forward_pool(x, conv_pool, state_pool, idx)
+        y_ref, s = m(x[real], state=KimiState(conv=conv0[slots], recurrent=rec0[slots]))
+        assert s is not None
+        assert_rel(y[real], y_ref, 1e-5)
+        assert torch.equal(y[1], torch.zeros_like(y[1]))
+        assert_rel(state_pool[slots], s.recurrent, 1e-5)
+        assert torch.allclose(conv_pool[slots], s.conv, atol=1e-6)
+        rest = [0, 2, 3, 5]
+        assert torch.equal(conv_pool[rest], conv0[rest]) and torch.equal(state_pool[rest], rec0[rest])
+        x1 = hidden(3, 1, seed=3)  # a decode step from the pools
+        y1 = m.forward_pool(x1, conv_pool, state_pool, idx)
+        y1_ref, s1 = m(x1[real], state=s)
+        assert s1 is not None
+        assert_rel(y1[real], y1_ref, 1e-5)
+        assert_rel(state_pool[slots], s1.recurrent, 1e-5)
+        assert torch.allclose(conv_pool[slots], s1.conv, atol=1e-6)
+
+
+def test_pool_form_packed_rows_and_all_padding() -> None:
+    m = layer()
+    conv0, rec0 = pools()
+    cu = torch.tensor([0, 7, 7, 19])
+    x = hidden(1, 19)
+    conv_pool, state_pool = conv0.clone(), rec0.clone()
+    with torch.no_grad():
+        y = m.forward_pool(x, conv_pool, state_pool, torch.tensor([3, 0, 5]), cu_seqlens=cu)
+        for (b, e), slot in zip([(0, 7), (7, 19)], [3, 5]):
+            y_ref, s = m(x[:, b:e], state=KimiState(conv=conv0[slot][None], recurrent=rec0[slot][None]))
+            assert s is not None
+            assert_rel(y[:, b:e], y_ref, 1e-5)
+            assert_rel(state_pool[slot], s.recurrent[0], 1e-5)
+        # the empty sequence of slot 0 keeps its state and its convolution inputs
+        assert torch.allclose(state_pool[0], rec0[0]) and torch.allclose(conv_pool[0], conv0[0])
+        conv_pool, state_pool = conv0.clone(), rec0.clone()
+        y = m.forward_pool(hidden(2, 1), conv_pool, state_pool, torch.tensor([-1, -1]))
+    assert torch.equal(y, torch.zeros_like(y))
+    assert torch.equal(conv_pool, conv0) and torch.equal(state_pool, rec0)
+
+
+def test_pool_form_errors_name_the_argument_and_it_traces() -> None:
+    m = layer()
+    conv_pool, state_pool = pools()
+    with pytest.raises(ValueError, match="state_indices"):
+        m.forward_pool(hidden(2, 3), conv_pool, state_pool, torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="conv_pool"):
+        m.forward_pool(hidden(2, 3), conv_pool[:, :, :1], state_pool, torch.tensor([0, 1]))
+    compiled = torch.compile(m.forward_pool, fullgraph=True, backend="eager")
+    c1, s1 = conv_pool.clone(), state_pool.clone()
+    c2, s2 = conv_pool.clone(), state_pool.clone()
+    x, idx = hidden(2, 1), torch.tensor([5, -1])
+    with torch.no_grad():
+        assert torch.equal(compiled(x, c1, s1, idx), m.forward_pool(x, c2, s2, idx))
+    assert torch.equal(c1, c2) and torch.equal(s1, s2)

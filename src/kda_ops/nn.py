@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kda_ops.api import check_flags, chunk_kda, kda_gate, recurrent_kda
+from kda_ops.api import check_flags, chunk_kda, chunk_kda_update_, kda_gate, recurrent_kda, recurrent_kda_update_
 
 
 class KDALayer(nn.Module):
@@ -278,26 +278,13 @@ class KimiDeltaAttention(nn.Module):
                 raise ValueError(f"attention_mask: expected [B, T] = [{B}, {T}], got {list(attention_mask.shape)}")
             keep = attention_mask.to(torch.bool)
             x = x * keep[..., None].to(x.dtype)
-        if cu_seqlens is None:
-            cu = torch.arange(0, (B + 1) * T, T, device=x.device, dtype=torch.int64)
-        else:
-            if B != 1:
-                raise ValueError(f"cu_seqlens: packed rows need B = 1, got B = {B}")
-            cu = cu_seqlens.to(device=x.device, dtype=torch.int64)
+        cu = _offsets(x, cu_seqlens)
         N = cu.shape[0] - 1
         if state is not None:
             W = self.conv_size - 1
             _check_state(state, N, 3 * H * K, W, H, K)
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        conv, conv_last = causal_conv(qkv.reshape(B * T, -1), self.conv1d.weight[:, 0], cu,
-                                      None if state is None else state.conv)  # fmt: skip
-        q, k, v = F.silu(conv).view(B, T, 3, H, K).unbind(2)
-        f = self.forget_gate(x).view(B, T, H, K)
-        b = self.b_proj(x).float()
-        gate_args: dict[str, Any] = dict(
-            use_gate_in_kernel=True, A_log=self.forget_gate.A_log.view(H), dt_bias=self.forget_gate.dt_bias,
-            lower_bound=self.lower_bound,
-        )  # fmt: skip
+        q, k, v, f, b, conv_last = self._kda_inputs(x, cu, None if state is None else state.conv)
+        gate_args: dict[str, Any] = self._gate_args()
         if attention_mask is not None:  # padding: no decay (g = 0) and no write (beta = 0)
             f = kda_gate(f, self.forget_gate.A_log.view(H), self.forget_gate.dt_bias, self.lower_bound)
             f = f.masked_fill(~keep[..., None, None], 0.0)
@@ -314,11 +301,94 @@ class KimiDeltaAttention(nn.Module):
             use_beta_sigmoid_in_kernel=True,
             **gate_args,
         )  # fmt: skip
-        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, K)
-        y = self.o_proj(self.o_norm(o, gate).reshape(B, T, H * K))
+        y = self._output(x, o)
         if final is None:
             return y, None
-        return y, KimiState(conv=conv_last.to(qkv.dtype), recurrent=final)
+        return y, KimiState(conv=conv_last.to(x.dtype), recurrent=final)
+
+    def forward_pool(
+        self,
+        hidden_states: Tensor,
+        conv_pool: Tensor,
+        state_pool: Tensor,
+        state_indices: Tensor,
+        *,
+        cu_seqlens: Tensor | None = None,
+        state_v_first: bool = False,
+    ) -> Tensor:
+        """The serving form: ``hidden_states [B, T, hidden]`` to ``output [B, T, hidden]``, with each sequence's
+        states in pools updated in place (inference only): ``conv_pool [S, 3 * H * K, conv_size - 1]``, the
+        convolution's last inputs, and ``state_pool [S, H, K, V]`` (``[S, H, V, K]`` with ``state_v_first``; fp32
+        or bf16, as :func:`kda_ops.recurrent_kda_update_` takes it). Sequence ``n`` (N = B, or the sequences of
+        ``cu_seqlens`` with B = 1) lives in slot ``state_indices[n]``, distinct; -1 marks a padding sequence: its
+        output rows are zeros and neither pool changes. One token per sequence of a dense batch is a decode step
+        (the recurrent schedule), anything else a chunked prefill from the slots' states (the chunkwise one). No
+        host synchronisation: capturable in a CUDA graph."""
+        x = hidden_states
+        B, T, _ = x.shape
+        H, K, W = self.num_heads, self.head_dim, self.conv_size - 1
+        cu = _offsets(x, cu_seqlens)
+        N = cu.shape[0] - 1
+        if tuple(state_indices.shape) != (N,):
+            raise ValueError(f"state_indices: expected [N] = [{N}], got {list(state_indices.shape)}")
+        if conv_pool.dim() != 3 or tuple(conv_pool.shape[1:]) != (3 * H * K, W):
+            raise ValueError(f"conv_pool: expected [S, 3 * H * K, conv_size - 1] = [S, {3 * H * K}, {W}], "
+                             f"got {list(conv_pool.shape)}")  # fmt: skip
+        idx = state_indices.to(device=x.device, dtype=torch.int64)
+        q, k, v, f, b, conv_last = self._kda_inputs(x, cu, conv_pool[idx.clamp(min=0)].to(x.dtype))
+        update = recurrent_kda_update_ if T == 1 and cu_seqlens is None else chunk_kda_update_
+        o = update(q, k, v, f, b, state_pool, idx, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True,
+                   use_beta_sigmoid_in_kernel=True, state_v_first=state_v_first, **self._gate_args())  # fmt: skip
+        _write_rows(conv_pool, idx, conv_last.to(conv_pool.dtype))
+        return self._output(x, o)
+
+    def _gate_args(self) -> dict[str, Any]:
+        """The in-kernel gate's keywords of the KDA calls."""
+        return dict(use_gate_in_kernel=True, A_log=self.forget_gate.A_log.view(self.num_heads),
+                    dt_bias=self.forget_gate.dt_bias, lower_bound=self.lower_bound)  # fmt: skip
+
+    def _kda_inputs(self, x: Tensor, cu: Tensor, conv0: Tensor | None) -> tuple[Tensor, ...]:
+        """``q, k, v [B, T, H, K]`` (projected, convolved from ``conv0``, SiLU), the gate's raw input ``f``, beta's
+        logits ``b`` (float32), and each sequence's last convolution inputs ``[N, 3 * H * K, conv_size - 1]``."""
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        conv, conv_last = causal_conv(qkv.reshape(B * T, -1), self.conv1d.weight[:, 0], cu, conv0)
+        q, k, v = F.silu(conv).view(B, T, 3, H, K).unbind(2)
+        f = self.forget_gate(x).view(B, T, H, K)
+        return q, k, v, f, self.b_proj(x).float(), conv_last
+
+    def _output(self, x: Tensor, o: Tensor) -> Tensor:
+        """The gated norm of the KDA output ``o [B, T, H, V]`` by the low-rank output gate, then ``o_proj``."""
+        B, T, _ = x.shape
+        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, self.num_heads, self.head_dim)
+        y: Tensor = self.o_proj(self.o_norm(o, gate).reshape(B, T, self.num_heads * self.head_dim))
+        return y
+
+
+def _offsets(x: Tensor, cu_seqlens: Tensor | None) -> Tensor:
+    """The sequences' offsets into the flat token stream of ``x [B, T, *]`` (int64 on x's device): ``cu_seqlens``
+    (packed rows, B = 1) or one sequence per batch row."""
+    B, T = x.shape[0], x.shape[1]
+    if cu_seqlens is None:
+        return torch.arange(0, (B + 1) * T, T, device=x.device, dtype=torch.int64)
+    if B != 1:
+        raise ValueError(f"cu_seqlens: packed rows need B = 1, got B = {B}")
+    return cu_seqlens.to(device=x.device, dtype=torch.int64)
+
+
+def _write_rows(pool: Tensor, idx: Tensor, rows: Tensor) -> None:
+    """``pool[idx[n]] = rows[n]`` in place for every ``idx[n] >= 0`` (distinct), with no host sync: a padding row
+    (-1) writes the first real row's value to that row's slot, the same value twice, so the duplicate index leaves
+    one result; with no real row each padding row writes slot 0's own value back."""
+    if idx.shape[0] == 0:
+        return
+    real = idx >= 0
+    first = real.to(torch.int64).argmax().view(1)
+    rows_of = torch.where(real, torch.arange(idx.shape[0], device=idx.device), first)
+    target = torch.where(real, idx, idx.index_select(0, first)).clamp(min=0)
+    value = torch.where(real.any(), rows[rows_of], pool[target])
+    pool.index_copy_(0, target, value)
 
 
 def _check_state(state: KimiState, N: int, C: int, W: int, H: int, K: int) -> None:

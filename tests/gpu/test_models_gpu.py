@@ -149,3 +149,33 @@ def test_sync_free_forward_and_backward(schedule: str) -> None:
         run()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_kimi_layer_pool_decode_step_in_a_cuda_graph() -> None:
+    """``KimiDeltaAttention.forward_pool``'s decode step (bf16 layer, fp32 state pool, a padding slot) captured in a
+    CUDA graph and replayed twice equals the same two steps eagerly: outputs and both pools bit for bit."""
+    from kda_ops.nn import KimiDeltaAttention
+
+    torch.manual_seed(0)
+    m = KimiDeltaAttention(256, 2, 128).cuda().bfloat16().eval()
+    S, B = 8, 4
+    conv0 = torch.randn(S, 3 * 2 * 128, 3, device="cuda", dtype=torch.bfloat16)
+    rec0 = torch.randn(S, 2, 128, 128, device="cuda") * 0.1
+    idx = torch.tensor([6, -1, 0, 3], device="cuda")
+    xs = [torch.randn(B, 1, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    conv_e, rec_e = conv0.clone(), rec0.clone()
+    with torch.no_grad():
+        want = [m.forward_pool(x, conv_e, rec_e, idx) for x in xs]
+        conv_g, rec_g = conv0.clone(), rec0.clone()
+        x_in = torch.zeros_like(xs[0])
+        m.forward_pool(x_in, conv_g.clone(), rec_g.clone(), idx)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = m.forward_pool(x_in, conv_g, rec_g, idx)
+        got = []
+        for x in xs:
+            x_in.copy_(x)
+            graph.replay()
+            got.append(y.clone())
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(conv_g, conv_e) and torch.equal(rec_g, rec_e)
