@@ -242,3 +242,64 @@ def test_pool_form_errors_name_the_argument_and_it_traces() -> None:
     with torch.no_grad():
         assert torch.equal(compiled(x, c1, s1, idx), m.forward_pool(x, c2, s2, idx))
     assert torch.equal(c1, c2) and torch.equal(s1, s2)
+
+
+def fake_causal_conv1d(calls: list[str]) -> object:
+    """A stand-in for causal-conv1d's ``causal_conv1d_fn`` on the CPU, with the real one's layout rules: a state in
+    or out, or ``seq_idx``, only with the channels contiguous; ``seq_idx`` never with a state."""
+
+    def fn(x: torch.Tensor, weight: torch.Tensor, bias: object = None, seq_idx: torch.Tensor | None = None,
+           initial_states: torch.Tensor | None = None, return_final_states: bool = False,
+           final_states_out: object = None, activation: str | None = None) -> object:  # fmt: skip
+        B, C, T = x.shape
+        W = weight.shape[1] - 1
+        if seq_idx is not None or initial_states is not None or return_final_states:
+            assert x.stride(1) == 1, "channel-last layout only"
+        assert seq_idx is None or (initial_states is None and not return_final_states)
+        assert initial_states is None or initial_states.stride(1) == 1
+        segments, start = [], 0
+        for t in range(1, T + 1):  # runs of equal sequence index
+            if seq_idx is None and t < T or seq_idx is not None and t < T and seq_idx[0, t] == seq_idx[0, start]:
+                continue
+            segments.append((start, t))
+            start = t
+        out = torch.empty_like(x)
+        pad = torch.zeros(B, C, W, dtype=x.dtype) if initial_states is None else initial_states
+        for b, e in segments:
+            xp = torch.cat([pad if seq_idx is None else torch.zeros(B, C, W, dtype=x.dtype), x[..., b:e]], dim=-1)
+            out[..., b:e] = torch.nn.functional.conv1d(xp, weight[:, None, :], groups=C)
+            last = xp[..., -W:]
+        calls.append("seq_idx" if seq_idx is not None else "state" if return_final_states else "plain")
+        if activation == "silu":
+            out = torch.nn.functional.silu(out)
+        return (out, last) if return_final_states else out
+
+    return fn
+
+
+def test_causal_conv1d_where_installed_gives_the_same_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With causal-conv1d present (a stand-in here), the dense forms, the state carried into decode steps and packed
+    rows without a state take it; packed rows with a state fall back to the plain convolution; every output and
+    state equals the plain convolution's."""
+    import kda_ops.nn as knn
+
+    m = layer()
+    x, xp, cu = hidden(2, 30), hidden(1, 25, seed=4), torch.tensor([0, 10, 25])
+
+    def run() -> list[torch.Tensor]:
+        with torch.no_grad():
+            y, s = m(x, use_cache=True)
+            y2, s2 = m(x[:, :1], state=s)
+            yp, _ = m(xp, cu_seqlens=cu)
+            ypc, sp = m(xp, cu_seqlens=cu, use_cache=True)
+        assert s is not None and s2 is not None and sp is not None
+        return [m(x)[0], y, s.conv, s.recurrent, y2, s2.conv, yp, ypc, sp.conv]
+
+    plain = run()
+    calls: list[str] = []
+    fake = fake_causal_conv1d(calls)
+    monkeypatch.setattr(knn, "conv1d_fn", lambda t: fake)
+    fast = run()
+    assert calls == ["state", "state", "seq_idx", "plain"]
+    for a, b in zip(fast, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

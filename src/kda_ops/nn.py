@@ -283,7 +283,9 @@ class KimiDeltaAttention(nn.Module):
         if state is not None:
             W = self.conv_size - 1
             _check_state(state, N, 3 * H * K, W, H, K)
-        q, k, v, f, b, conv_last = self._kda_inputs(x, cu, None if state is None else state.conv)
+        need_last = use_cache or state is not None
+        q, k, v, f, b, conv_last = self._kda_inputs(x, cu, None if state is None else state.conv,
+                                                    packed=cu_seqlens is not None, need_last=need_last)
         gate_args: dict[str, Any] = self._gate_args()
         if attention_mask is not None:  # padding: no decay (g = 0) and no write (beta = 0)
             f = kda_gate(f, self.forget_gate.A_log.view(H), self.forget_gate.dt_bias, self.lower_bound)
@@ -304,6 +306,7 @@ class KimiDeltaAttention(nn.Module):
         y = self._output(x, o)
         if final is None:
             return y, None
+        assert conv_last is not None  # need_last
         return y, KimiState(conv=conv_last.to(x.dtype), recurrent=final)
 
     def forward_pool(
@@ -335,10 +338,12 @@ class KimiDeltaAttention(nn.Module):
             raise ValueError(f"conv_pool: expected [S, 3 * H * K, conv_size - 1] = [S, {3 * H * K}, {W}], "
                              f"got {list(conv_pool.shape)}")  # fmt: skip
         idx = state_indices.to(device=x.device, dtype=torch.int64)
-        q, k, v, f, b, conv_last = self._kda_inputs(x, cu, conv_pool[idx.clamp(min=0)].to(x.dtype))
+        q, k, v, f, b, conv_last = self._kda_inputs(x, cu, conv_pool[idx.clamp(min=0)].to(x.dtype),
+                                                    packed=cu_seqlens is not None, need_last=True)
         update = recurrent_kda_update_ if T == 1 and cu_seqlens is None else chunk_kda_update_
         o = update(q, k, v, f, b, state_pool, idx, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True,
                    use_beta_sigmoid_in_kernel=True, state_v_first=state_v_first, **self._gate_args())  # fmt: skip
+        assert conv_last is not None  # need_last
         _write_rows(conv_pool, idx, conv_last.to(conv_pool.dtype))
         return self._output(x, o)
 
@@ -347,14 +352,33 @@ class KimiDeltaAttention(nn.Module):
         return dict(use_gate_in_kernel=True, A_log=self.forget_gate.A_log.view(self.num_heads),
                     dt_bias=self.forget_gate.dt_bias, lower_bound=self.lower_bound)  # fmt: skip
 
-    def _kda_inputs(self, x: Tensor, cu: Tensor, conv0: Tensor | None) -> tuple[Tensor, ...]:
+    def _kda_inputs(self, x: Tensor, cu: Tensor, conv0: Tensor | None, *, packed: bool,
+                    need_last: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:  # fmt: skip
         """``q, k, v [B, T, H, K]`` (projected, convolved from ``conv0``, SiLU), the gate's raw input ``f``, beta's
-        logits ``b`` (float32), and each sequence's last convolution inputs ``[N, 3 * H * K, conv_size - 1]``."""
+        logits ``b`` (float32), and each sequence's last convolution inputs ``[N, 3 * H * K, conv_size - 1]``
+        (None unless ``need_last``, where causal-conv1d runs). The convolution is causal-conv1d's where it is
+        installed and can take the call (:func:`conv1d_fn`), else :func:`causal_conv`."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        conv, conv_last = causal_conv(qkv.reshape(B * T, -1), self.conv1d.weight[:, 0], cu, conv0)
-        q, k, v = F.silu(conv).view(B, T, 3, H, K).unbind(2)
+        weight = self.conv1d.weight[:, 0]
+        fast = conv1d_fn(qkv)
+        # causal-conv1d takes a per-sequence state or returns one only for a dense batch, and sequences of packed
+        # rows only without either
+        if fast is not None and not (packed and (conv0 is not None or need_last)):
+            xt = qkv.transpose(1, 2)  # [B, C, T] with the channels contiguous, the layout its states need
+            if packed:
+                seq = torch.searchsorted(cu, torch.arange(T, device=x.device), right=True) - 1
+                out, conv_last = fast(xt, weight, seq_idx=seq[None].to(torch.int32), activation="silu"), None
+            elif need_last or conv0 is not None:
+                init = None if conv0 is None else conv0.transpose(1, 2).contiguous().transpose(1, 2)
+                out, conv_last = fast(xt, weight, initial_states=init, return_final_states=True, activation="silu")
+            else:
+                out, conv_last = fast(xt, weight, activation="silu"), None
+            q, k, v = out.transpose(1, 2).reshape(B, T, 3, H, K).unbind(2)
+        else:
+            conv, conv_last = causal_conv(qkv.reshape(B * T, -1), weight, cu, conv0)
+            q, k, v = F.silu(conv).view(B, T, 3, H, K).unbind(2)
         f = self.forget_gate(x).view(B, T, H, K)
         return q, k, v, f, self.b_proj(x).float(), conv_last
 
@@ -364,6 +388,25 @@ class KimiDeltaAttention(nn.Module):
         gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, self.num_heads, self.head_dim)
         y: Tensor = self.o_proj(self.o_norm(o, gate).reshape(B, T, self.num_heads * self.head_dim))
         return y
+
+
+@functools.cache
+def _causal_conv1d() -> Any:
+    """causal-conv1d's ``causal_conv1d_fn``, or None where the package is not installed (it is never required)."""
+    try:
+        module = importlib.import_module("causal_conv1d")
+    except ImportError:
+        return None
+    return getattr(module, "causal_conv1d_fn", None)
+
+
+def conv1d_fn(x: Tensor) -> Any:
+    """The short convolution's fast path for ``x``: causal-conv1d's function for CUDA tensors in eager mode when
+    it is installed, else None (:func:`causal_conv` then runs; under ``torch.compile`` it traces without a graph
+    break and the compiler fuses it)."""
+    if not x.is_cuda or torch.compiler.is_compiling():
+        return None
+    return _causal_conv1d()
 
 
 def _offsets(x: Tensor, cu_seqlens: Tensor | None) -> Tensor:

@@ -179,3 +179,24 @@ def test_kimi_layer_pool_decode_step_in_a_cuda_graph() -> None:
             got.append(y.clone())
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert torch.equal(conv_g, conv_e) and torch.equal(rec_g, rec_e)
+
+
+def test_kimi_layer_with_causal_conv1d_equals_the_plain_convolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where causal-conv1d is installed, the layer's outputs and states with it equal those of the plain
+    convolution (fp32: both are exact sums of four products)."""
+    pytest.importorskip("causal_conv1d")
+    import kda_ops.nn as knn
+
+    torch.manual_seed(0)
+    m = knn.KimiDeltaAttention(256, 2, 128).cuda()
+    x = torch.randn(2, 300, 256, device="cuda")
+    with torch.no_grad():
+        assert knn.conv1d_fn(x) is not None
+        y, s = m(x, use_cache=True)
+        y1, s1 = m(x[:, :1], state=s)
+        monkeypatch.setattr(knn, "conv1d_fn", lambda t: None)
+        y_p, s_p = m(x, use_cache=True)
+        y1_p, s1_p = m(x[:, :1], state=s_p)
+    assert s is not None and s_p is not None and s1 is not None and s1_p is not None
+    for a, b in ((y, y_p), (s.conv, s_p.conv), (y1, y1_p), (s1.recurrent, s1_p.recurrent)):
+        assert rel_err(a, b) < 1e-5
