@@ -1,5 +1,6 @@
-"""Sessions: ``nox -s tests`` (the CPU matrix), ``lint``, ``typecheck``, ``build``, ``docs``, and two that run in the
-machine's own Python without installing anything: ``gpu`` (the ``gpu``-marked tests) and ``bench``.
+"""Sessions: ``nox -s tests`` (the CPU matrix), ``lint``, ``typecheck``, ``build``, ``docs``, and three that run in
+the machine's own Python without installing anything: ``gpu`` (the ``gpu``-marked tests), ``sanitize`` and
+``bench``.
 
 CPU torch: a plain ``pip install torch`` on Linux fetches the CUDA build (gigabytes). The sessions take a CPU build
 from a local wheel folder when pip is configured with one (``PIP_FIND_LINKS`` or pip's ``find-links`` setting; uv
@@ -28,44 +29,65 @@ TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 # the release whose KimiLinearDeltaAttention kda_ops.nn.KimiDeltaAttention is tested against
 TRANSFORMERS = "5.17.0"
 
-# (torch, triton, numpy pin, whole suite): triton <= 3.6's interpreter breaks with numpy >= 2.4. The last row checks
-# that the package and its tests run without triton at all. The whole suite runs on triton 3.6 (the GPU's) and
-# without triton; the other triton rows run tests/triton and the serving tests, leaving out those marked ``slow``
-# (the sweeps over options and gates of one stage, gradcheck, compiled training steps), which keeps every kernel
-# family under the interpreter and every sm_90 compile check.
+# (torch, triton, numpy pin, selection). Every torch with the triton it pins, and the other triton releases on one
+# torch: triton <= 3.6's interpreter breaks with numpy >= 2.4. Between them the first and the fourth row run every
+# test once: "triton", each test that needs triton (the Triton kernels under the interpreter, every sm_90 compile
+# check, the benchmark scripts) on triton 3.6, the GPU's; "layers", the layers above the kernels (reference, ops,
+# public functions, compile/export, nn, integrations, with transformers) without triton at all. "kernels": the
+# kernel families (tests/triton) and the serving kernels without the ``slow`` tests (the sweeps over options and
+# gates of one stage, gradcheck, compiled training steps) on the other triton releases. "layers-quick": the layers
+# without the slow tests, on the oldest claimed torch (2.6: the triton 3.2 it pins is below the kernels' minimum,
+# which they refuse) and the newest (2.14.1, with its triton 3.8). A triton of None is the one torch pins (a CUDA
+# build from the configured index), "none" none at all.
 MATRIX = [
-    nox.param(TORCH, "3.6.0", "numpy<2.4", True, id="torch2.13-triton3.6"),
-    nox.param(TORCH, "3.7.1", "numpy", False, id="torch2.13-triton3.7"),
-    nox.param(TORCH, "3.9.0", "numpy", False, id="torch2.13-triton3.9"),
-    nox.param(TORCH, None, None, True, id="torch2.13-no-triton"),
+    nox.param(TORCH, "3.6.0", "numpy<2.4", "triton", id="torch2.13-triton3.6"),
+    nox.param(TORCH, "3.7.1", "numpy", "kernels", id="torch2.13-triton3.7"),
+    nox.param(TORCH, "3.9.0", "numpy", "kernels", id="torch2.13-triton3.9"),
+    nox.param(TORCH, "none", None, "layers", id="torch2.13-no-triton"),
+    nox.param("2.6.0", None, "numpy<2.4", "layers-quick", id="torch2.6-triton3.2"),
+    nox.param("2.14.1", None, "numpy", "layers-quick", id="torch2.14.1-triton3.8"),
 ]
+SELECT = {
+    "triton": ["-m", "interpret or triton", "tests"],
+    "layers": ["-m", "not interpret and not triton", "tests"],
+    "kernels": ["-m", "not slow", "tests/triton", "tests/test_serving.py"],
+    "layers-quick": ["-m", "not slow and not interpret and not triton", "tests"],
+}
 
 
-def _pip_find_links() -> list[str]:
-    """Local wheel folders that pip is configured with (environment first, then pip's config files)."""
-    links = os.environ.get("PIP_FIND_LINKS", "").split()
-    if not links:
+def _pip_setting(name: str, env: str) -> list[str]:
+    """A space-separated pip setting (environment first, then pip's config files)."""
+    values = os.environ.get(env, "").split()
+    if not values:
         try:
             out = subprocess.run(
-                [sys.executable, "-m", "pip", "config", "get", "global.find-links"],
+                [sys.executable, "-m", "pip", "config", "get", f"global.{name}"],
                 capture_output=True,
                 text=True,
                 timeout=60,
             ).stdout
         except (OSError, subprocess.SubprocessError):
             out = ""
-        links = out.split()
-    return [link for link in links if os.path.isdir(link)]
+        values = out.split()
+    return values
 
 
-FIND_LINKS = _pip_find_links()
+FIND_LINKS = [link for link in _pip_setting("find-links", "PIP_FIND_LINKS") if os.path.isdir(link)]
+EXTRA_INDEX = _pip_setting("extra-index-url", "PIP_EXTRA_INDEX_URL")
 if FIND_LINKS and "UV_FIND_LINKS" not in os.environ:
     os.environ["UV_FIND_LINKS"] = " ".join(FIND_LINKS)
+if EXTRA_INDEX and "UV_EXTRA_INDEX_URL" not in os.environ:
+    os.environ["UV_EXTRA_INDEX_URL"] = " ".join(EXTRA_INDEX)
+    # every index at once, as pip reads them (uv's default takes a package from the first index that has it)
+    os.environ.setdefault("UV_INDEX_STRATEGY", "unsafe-best-match")
 
 
 def _torch(version: str) -> list[str]:
-    """Install arguments for a CPU build of torch ``version``."""
+    """Install arguments for torch ``version``: a local CPU build, else the build of the index pip is configured
+    with (a CUDA build there, with the triton it pins; it runs on the CPU), else PyTorch's CPU index."""
     if any(glob.glob(os.path.join(d, f"torch-{version}+cpu-*.whl")) for d in FIND_LINKS):
+        return [f"torch=={version}+cpu"]
+    if EXTRA_INDEX:
         return [f"torch=={version}"]
     return [f"torch=={version}", "--index-url", TORCH_CPU_INDEX]
 
@@ -79,27 +101,29 @@ def _install_package(session: nox.Session, target: str = ".") -> None:
 
 
 @nox.session
-@nox.parametrize(("torch", "triton", "numpy", "whole"), MATRIX)
-def tests(session: nox.Session, torch: str, triton: str | None, numpy: str | None, whole: bool) -> None:
+@nox.parametrize(("torch", "triton", "numpy", "select"), MATRIX)
+def tests(session: nox.Session, torch: str, triton: str | None, numpy: str | None, select: str) -> None:
     """The test suite on the CPU: reference kernels, ops, compile/export, and Triton kernels under the interpreter
-    (without the ``slow`` tests where ``whole`` is False)."""
+    (the row's selection of it: ``SELECT``)."""
     session.install(*_torch(torch))
-    session.install("pytest", "pytest-xdist", *([f"triton=={triton}"] if triton else []), *([numpy] if numpy else []))
-    if whole:  # the Kimi Linear layer's tests against transformers' own layer (skipped where it is absent)
+    # setuptools: torch 2.6's inductor imports it, and a uv venv has none
+    session.install("pytest", "pytest-xdist", "setuptools", *([f"triton=={triton}"] if triton not in (None, "none")
+                    else []), *([numpy] if numpy else []))  # fmt: skip
+    if select == "layers":  # the Kimi Linear layer's tests against transformers' own layer (skipped where it is absent)
         session.install(f"transformers=={TRANSFORMERS}")
     _install_package(session)
-    if not triton:  # this row checks the package without triton: make sure nothing brought it in
+    if triton == "none":  # this row checks the package without triton: make sure nothing brought it in
         session.run(
             "python",
             "-c",
             "import importlib.util, sys; sys.exit(importlib.util.find_spec('triton') and 'triton is installed')",
         )
+    session.run("python", "-c", "import torch, kda_ops.common as c; print('torch', torch.__version__, 'triton', "
+                "c.triton_version())")  # fmt: skip
     # one worker per core (at most 4): the interpreter runs each test on one core, and CI has two
     workers = ["-n", str(min(4, os.cpu_count() or 1))]
-    # the other triton rows: the kernel families and their sm_90 compile checks (tests/triton) and the serving
-    # kernels, without the slow sweeps; the layers above the kernels do not depend on the triton release
-    select = ["tests"] if whole else ["-m", "not slow", "tests/triton", "tests/test_serving.py"]
-    session.run("python", "-m", "pytest", "-q", *workers, *select, *session.posargs, env={"TRITON_INTERPRET": "1"})
+    session.run("python", "-m", "pytest", "-q", *workers, *SELECT[select], *session.posargs,
+                env={"TRITON_INTERPRET": "1"})  # fmt: skip
 
 
 @nox.session

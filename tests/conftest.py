@@ -11,7 +11,6 @@ interpreter, skipped where a GPU is present, since the interpreter is process-wi
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Iterator
 
@@ -19,9 +18,13 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kda_ops.common import TRITON_MIN, triton_usable  # noqa: E402 - after the interpreter's switch
+
+# a triton the kernels support (an older one, as torch 2.6 pins, counts as none: the kernels refuse it)
+HAS_TRITON = triton_usable()
 
 DEVICES = [pytest.param("cpu", marks=pytest.mark.interpret, id="cpu"),
            pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]  # fmt: skip
@@ -30,12 +33,17 @@ DEVICES = [pytest.param("cpu", marks=pytest.mark.interpret, id="cpu"),
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on the H200)")
     config.addinivalue_line("markers", "interpret: runs Triton kernels under TRITON_INTERPRET=1 on the CPU")
+    config.addinivalue_line("markers", "triton: needs triton itself (every test under tests/triton, given here, and "
+                            "the benchmark scripts'), whether or not it runs a kernel")  # fmt: skip
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
-    skip_triton = pytest.mark.skip(reason="needs triton")
+    skip_triton = pytest.mark.skip(reason=f"needs triton >= {'.'.join(map(str, TRITON_MIN))}")
+    kernels = os.path.join(os.path.dirname(__file__), "triton") + os.sep
     for item in items:
+        if str(item.path).startswith(kernels):
+            item.add_marker(pytest.mark.triton)
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
         if "interpret" in item.keywords and (HAS_CUDA or not HAS_TRITON):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="the benchmark scripts time Triton kernels")
+pytestmark = pytest.mark.triton
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))

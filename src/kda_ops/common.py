@@ -6,6 +6,9 @@ the shapes and dtypes a compiled graph expects are the ones the kernels write.
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
+import re
 from dataclasses import dataclass
 
 import torch
@@ -99,3 +102,36 @@ def backward_outputs(
         like(A_log),
         like(dt_bias),
     )
+
+
+# The oldest triton the Triton kernels are tested with (the CPU matrix's interpreter legs, the H200's compiled
+# kernels); older releases lack language features they use (programmatic dependent launch among them).
+TRITON_MIN = (3, 6)
+
+
+@functools.cache
+def triton_version() -> str | None:
+    """The installed triton's version, read from its package metadata (triton is not imported), or None."""
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def triton_usable() -> bool:
+    """Whether a triton of at least :data:`TRITON_MIN` is installed."""
+    v = triton_version()
+    if v is None:
+        return False
+    parts = [int(p) for p in re.findall(r"\d+", v)[:2]]
+    return tuple(parts) >= TRITON_MIN
+
+
+def check_triton(what: str) -> None:
+    """Raise an ImportError that says why ``what`` (an op's Triton kernel) cannot run, unless triton is usable."""
+    if not triton_usable():
+        found = triton_version()
+        have = "triton is not installed" if found is None else f"found triton {found}"
+        need = ".".join(map(str, TRITON_MIN))
+        raise ImportError(f"{what}: the Triton kernels need triton >= {need} ({have}); install triton>={need} "
+                          "(a CUDA torch >= 2.10 brings one)")

@@ -76,6 +76,7 @@ from kda_ops.common import (
     CHUNK_SIZE,
     Options,
     backward_outputs,
+    check_triton,
     chunk_states_dtype,
     forward_outputs,
     num_sequences,
@@ -134,6 +135,7 @@ def _triton_only(op: str, device: torch.device) -> Callable[..., Any]:
 
 
 def _triton_kernel(op: str) -> Callable[..., Any]:
+    check_triton(f"kda::{op}")
     from kda_ops import triton as kt  # imported lazily: the package works on CPU without triton
 
     fn: Callable[..., Any] = kt.KERNELS[op]

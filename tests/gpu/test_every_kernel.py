@@ -19,11 +19,13 @@ from typing import Any
 import pytest
 import torch
 
-import kda_ops
-from kda_ops.reference import naive_recurrent_kda
-from kda_ops.testing import make_inputs, make_state, rel_err
-from kda_ops.triton.launch import force_forms
-from tests.cases import OPTIONS, hard_reset, unit_qk
+pytest.importorskip("triton", minversion="3.6")
+
+import kda_ops  # noqa: E402
+from kda_ops.reference import naive_recurrent_kda  # noqa: E402
+from kda_ops.testing import make_inputs, make_state, rel_err  # noqa: E402
+from kda_ops.triton.launch import force_forms  # noqa: E402
+from tests.cases import OPTIONS, hard_reset, unit_qk  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"

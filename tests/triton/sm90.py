@@ -433,7 +433,7 @@ def check_compiles(source: str, no_spills: Callable[[str], bool] = lambda name: 
     this triton has no bundled ptxas. Runs, and means the same, on a machine with a GPU."""
     import pytest
 
-    triton = pytest.importorskip("triton")
+    triton = pytest.importorskip("triton", minversion="3.6")
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this triton build has no bundled ptxas")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", minversion="3.6")
 
 import kda_ops  # noqa: E402
 from kda_ops import ops, reference  # noqa: E402

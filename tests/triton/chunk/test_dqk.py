@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", minversion="3.6")
 
 from kda_ops.reference.chunk.dqk import dqk as oracle_dqk  # noqa: E402
 from kda_ops.reference.chunk.dv import dv as oracle_dv  # noqa: E402

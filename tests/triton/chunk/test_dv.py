@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", minversion="3.6")
 
 from kda_ops.reference.chunk.dv import dv as oracle_dv  # noqa: E402
 from kda_ops.testing import assert_rel  # noqa: E402

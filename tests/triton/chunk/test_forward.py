@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", minversion="3.6")
 
 import kda_ops  # noqa: E402
 from kda_ops import ops, reference  # noqa: E402

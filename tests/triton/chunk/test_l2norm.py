@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", minversion="3.6")
 
 from kda_ops.testing import assert_rel  # noqa: E402
 from kda_ops.transforms import l2norm as l2norm_ref  # noqa: E402

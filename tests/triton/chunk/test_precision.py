@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", minversion="3.6")
 
 from kda_ops.triton.chunk.precision import exact_bf16  # noqa: E402
 

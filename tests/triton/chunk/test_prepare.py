@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", minversion="3.6")
 
 from kda_ops.reference.chunk.intra import intra as oracle_intra  # noqa: E402
 from kda_ops.reference.chunk.prepare import x_form as oracle_x_form  # noqa: E402

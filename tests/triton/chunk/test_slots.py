@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", minversion="3.6")
 
 from kda_ops.triton.chunk.slots import slot_map  # noqa: E402
 from kda_ops.triton.chunk.tiles import BT  # noqa: E402

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", minversion="3.6")
 
 from kda_ops.testing import make_state  # noqa: E402
 from tests.cases import CU_RECURRENT_BWD, F64, RECURRENT_OPTIONS  # noqa: E402

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", minversion="3.6")
 
 import kda_ops  # noqa: E402
 from kda_ops.testing import assert_rel, make_inputs, make_state  # noqa: E402
