@@ -15,7 +15,8 @@ Both libraries are called through the same signature (``kda_ops.compat.fla.chunk
 autograd with the same cotangents; the oracle is autograd of ``kda_ops.reference.naive_recurrent_kda`` on float64
 copies of the 16-bit inputs. The figure is the relative error ``||x - ref|| / ||ref||`` (fla's RMS error ratio).
 
-Usage: ``python benchmarks/peer_errors.py [--out DIR] [--wheels WHEEL ...] [--skip-fla]``; needs a CUDA GPU.
+Usage: ``python benchmarks/peer_errors.py [--out DIR] [--wheels WHEEL ...] [--skip-fla] [--cases NAME ...]``;
+needs a CUDA GPU. fla's backward autotunes at each new shape (minutes): give the command time, or fewer cases.
 """
 
 from __future__ import annotations
@@ -104,9 +105,11 @@ def run(fn: Callable[..., Any], leaves: dict[str, torch.Tensor], kw: dict[str, A
     return out
 
 
-def compare(fla_fn: Callable[..., Any] | None) -> list[str]:
+def compare(fla_fn: Callable[..., Any] | None, only: list[str] | None = None) -> list[str]:
     lines = []
     for name, (leaves, kw, grad) in cases().items():
+        if only and not any(name.startswith(o) for o in only):
+            continue
         gen = torch.Generator(device=DEV).manual_seed(9)
         N = kw["cu_seqlens"].numel() - 1 if "cu_seqlens" in kw else leaves["q"].shape[0]
         H, K, V = leaves["q"].shape[2], leaves["q"].shape[3], leaves["v"].shape[3]
@@ -141,13 +144,15 @@ def main() -> int:
         help="fla-core and einops wheels to import fla from when it is not installed",
     )
     parser.add_argument("--skip-fla", action="store_true", help="ours and the oracle only")
+    parser.add_argument("--cases", nargs="*", default=None,
+                        help="only the cases whose names start so (gate, short, K256; fla autotunes per case)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("peer_errors.py needs a CUDA GPU", file=sys.stderr)
         return 1
     fla_fn, where = (None, "fla skipped") if args.skip_fla else _bench.load_fla(args.wheels, "chunk_kda")
     lines = [f"# Errors against float64, {torch.cuda.get_device_name()}, torch {torch.__version__}, {where}",
-             *compare(fla_fn)]  # fmt: skip
+             *compare(fla_fn, args.cases)]  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "peer_errors.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
