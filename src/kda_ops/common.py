@@ -118,8 +118,9 @@ def triton_version() -> str | None:
         return None
 
 
+@functools.cache
 def triton_usable() -> bool:
-    """Whether a triton of at least :data:`TRITON_MIN` is installed."""
+    """Whether a triton of at least :data:`TRITON_MIN` is installed (asked on every Triton op call: cached)."""
     v = triton_version()
     if v is None:
         return False

@@ -20,8 +20,8 @@ from kda_ops.compat import fla as compat
 LAYER_MODULE = "fla.layers.kda"
 # the names fla's layer calls, and the kda-ops function each is rebound to
 KERNELS = {"chunk_kda": compat.chunk_kda, "fused_recurrent_kda": compat.fused_recurrent_kda}
-# fla's own functions, kept by the first patch of each layer module for remove_kda_ops
-_ORIGINALS: dict[str, dict[str, Any]] = {}
+# fla's own functions, kept by the first patch for remove_kda_ops
+_ORIGINALS: dict[str, Any] = {}
 
 
 def _layer_module() -> Any:
@@ -44,8 +44,8 @@ def apply_kda_ops(model: nn.Module | None = None) -> nn.Module | None:
     module = _layer_module()
     if model is not None and not any(isinstance(m, module.KimiDeltaAttention) for m in model.modules()):
         raise ValueError(f"model: holds no fla KimiDeltaAttention ({type(model).__name__})")
-    if module.__name__ not in _ORIGINALS:
-        _ORIGINALS[module.__name__] = {name: getattr(module, name) for name in KERNELS}
+    if not _ORIGINALS:
+        _ORIGINALS.update({name: getattr(module, name) for name in KERNELS})
     for name, fn in KERNELS.items():
         setattr(module, name, fn)
     return model
@@ -54,8 +54,9 @@ def apply_kda_ops(model: nn.Module | None = None) -> nn.Module | None:
 def remove_kda_ops() -> None:
     """Give fla's layer its own kernels back (nothing if :func:`apply_kda_ops` never ran)."""
     module = importlib.import_module(LAYER_MODULE)
-    for name, fn in _ORIGINALS.pop(module.__name__, {}).items():
+    for name, fn in _ORIGINALS.items():
         setattr(module, name, fn)
+    _ORIGINALS.clear()
 
 
 __all__ = ["apply_kda_ops", "remove_kda_ops"]

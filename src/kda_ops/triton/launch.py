@@ -205,7 +205,6 @@ def launch(stage: str, table: Mapping[str, Mapping[str, int]] = LAUNCH, **tiles:
     return out
 
 
-
 def interpreting() -> bool:
     """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
