@@ -20,12 +20,16 @@ and fla at T = 1000, and ours at T = 32768 (the oracle runs per group of 4 heads
 Options: ``--precision-sweep`` times and measures alternatives to the default per-product precision of bf16
 inputs (the numbers behind ``kda_ops/triton/chunk/precision.py``); ``--sweep-bv`` times every value tile of the state
 scan (``kda_ops/triton/chunk/scan.py``); ``--bh-sweep`` times B1 T32768 at 1 to 64 heads (the split scan's range
-and beyond, plotted as ``bench_chunk_bh.png``); ``--quick`` skips the T sweep and the T = 32768 error.
+and beyond, plotted as ``bench_chunk_bh.png``), with ``--graph`` as CUDA-graph replays (at one or two heads an
+eager call's launches take the host longer than its kernels take the GPU, so eager timing measures the host), and
+with ``--shapes 0`` alone (each shape costs fla's autotuning, ~1.5 minutes a shape on an H200); ``--quick`` skips
+the T sweep and the T = 32768 error.
 
 fla is imported from the environment, or from wheels given by ``--wheels`` (default: ``.whl/*.whl`` of the
 repository: fla_core-0.6.0 and einops), unpacked into a temporary folder at run time.
 
-Usage: ``python benchmarks/bench_chunk.py [--out DIR] [--quick] [--precision-sweep] [--sweep-bv] [--bh-sweep]``. Writes
+Usage: ``python benchmarks/bench_chunk.py [--out DIR] [--quick] [--precision-sweep] [--sweep-bv] [--bh-sweep]
+[--graph] [--shapes N]``. Writes
 ``bench_chunk.md``, ``bench_chunk.json`` and ``bench_chunk.png`` to ``--out`` (default ``benchmarks/results``);
 the markdown table is printed last.
 """
@@ -100,11 +104,16 @@ def call_fla(fn: Callable[..., Any], x: dict[str, torch.Tensor]) -> tuple[torch.
     return o, s
 
 
-def gpu_ms(fn: Callable[[], Any]) -> float:
-    """Median GPU time in ms after one compiling / autotuning call (do_bench flushes L2 each repetition)."""
+def gpu_ms(fn: Callable[[], Any], graph: bool = False) -> float:
+    """Median GPU time in ms after one compiling / autotuning call (do_bench flushes L2 each repetition). With
+    ``graph`` the call is captured once in a CUDA graph and the replay is timed: where a call's launches take the
+    host longer than its kernels take the GPU (a few heads), eager timing measures the host."""
     with torch.no_grad():
         fn()
         torch.cuda.synchronize()
+        if graph:
+            g, _ = _bench.capture(fn)
+            fn = g.replay
         return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
 
@@ -153,18 +162,18 @@ def fmt_ms(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-def row(B: int, T: int, H: int, fla_fn: Callable[..., Any] | None, bw: float) -> dict[str, Any]:
+def row(B: int, T: int, H: int, fla_fn: Callable[..., Any] | None, bw: float, graph: bool = False) -> dict[str, Any]:
     x = inputs(B, T, H)
     r: dict[str, Any] = {"B": B, "T": T, "H": H}
-    r["ours_ms"] = gpu_ms(lambda: call_ours(x))
+    r["ours_ms"] = gpu_ms(lambda: call_ours(x), graph)
     r["fla_ms"] = None
     if fla_fn is not None:
         try:
-            r["fla_ms"] = gpu_ms(lambda: call_fla(fla_fn, x))
+            r["fla_ms"] = gpu_ms(lambda: call_fla(fla_fn, x), graph)
         except Exception as e:  # noqa: BLE001 - a peer failure is reported, not fatal
             print(f"fla failed at B={B} T={T} H={H}: {type(e).__name__}: {e}", file=sys.stderr)
     qs, ks, vs = (x[n].transpose(1, 2).contiguous() for n in ("q", "k", "v"))
-    r["sdpa_ms"] = gpu_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True))
+    r["sdpa_ms"] = gpu_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True), graph)
     r["flops"], r["bytes"] = kda_flops(B, T, H), kda_bytes(B, T, H)
     r["floor_ms"] = r["bytes"] / bw * 1e3
     r["sdpa_flops"] = sdpa_flops(B, T, H)
@@ -300,8 +309,30 @@ def breakdown(B: int, T: int, H: int) -> list[str]:
     return lines
 
 
+def accuracy_and_breakdown(fla_fn: Callable[..., Any] | None, quick: bool) -> tuple[list[str], list[str]]:
+    """The error rows against the float64 reference (T = 1000, and T = 32768 unless ``quick``) and the breakdown of
+    the first main shape into its parts."""
+    print("accuracy", file=sys.stderr)
+    x1 = inputs(1, 1000, 32, seed=1)
+    ref1 = oracle(x1)
+    acc = [error_row("ours", 1000, lambda: call_ours(x1), ref1)]
+    if fla_fn is not None:
+        acc.append(error_row("fla", 1000, lambda: call_fla(fla_fn, x1), ref1))
+    if not quick:
+        xl = inputs(1, 32768, 32, seed=2)
+        refl = oracle(xl)
+        acc.append(error_row("ours", 32768, lambda: call_ours(xl), refl))
+        if fla_fn is not None:
+            acc.append(error_row("fla", 32768, lambda: call_fla(fla_fn, xl), refl))
+        del xl, refl
+    torch.cuda.empty_cache()
+    print("breakdown", file=sys.stderr)
+    return acc, ["", "Breakdown (GPU ms, each part alone):", "", *breakdown(*SHAPES[0])]
+
+
 def plot(rows: list[dict[str, Any]], path: Path, title: str, x: str = "T") -> None:
-    """Time against ``x`` (``"T"``: the T sweep; ``"H"``: the B·H sweep) on log axes."""
+    """Time against ``x`` (``"T"``: the T sweep; ``"H"``: the B·H sweep) on log axes; the peer's, SDPA's and the
+    floor's lines where every row has them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -312,8 +343,10 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str, x: str = "T") -> No
     ax.plot(xs, [r["ours_ms"] for r in rows], "o-", label="kda_ops chunk_kda")
     if all(r["fla_ms"] is not None for r in rows):
         ax.plot(xs, [r["fla_ms"] for r in rows], "s-", label="fla-core 0.6.0 chunk_kda")
-    ax.plot(xs, [r["sdpa_ms"] for r in rows], "^-", label="SDPA (causal)")
-    ax.plot(xs, [r["floor_ms"] for r in rows], "k:", label="KDA memory floor")
+    if all(r.get("sdpa_ms") is not None for r in rows):
+        ax.plot(xs, [r["sdpa_ms"] for r in rows], "^-", label="SDPA (causal)")
+    if all(r.get("floor_ms") is not None for r in rows):
+        ax.plot(xs, [r["floor_ms"] for r in rows], "k:", label="KDA memory floor")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     if x == "T":
@@ -340,6 +373,10 @@ def main() -> None:
     parser.add_argument("--bh-sweep", action="store_true", help=f"time B1 T{BH_SWEEP_T} at H in {BH_SWEEP_H}")
     parser.add_argument("--skip-fla", action="store_true",
                         help="leave fla out (its first call at each new shape autotunes for a long time)")  # fmt: skip
+    parser.add_argument("--shapes", type=int, default=len(SHAPES),
+                        help="time the first N main shapes (0: with --bh-sweep, the sweep alone)")  # fmt: skip
+    parser.add_argument("--graph", action="store_true",
+                        help="time the B·H sweep as CUDA-graph replays (the host's launches drop out)")  # fmt: skip
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_chunk: needs a CUDA GPU")
@@ -349,7 +386,7 @@ def main() -> None:
     bw = _bench.copy_bandwidth()
     print("shapes", file=sys.stderr)
     rows = []
-    for B, T, H in SHAPES:
+    for B, T, H in SHAPES[: args.shapes]:
         rows.append(row(B, T, H, fla_fn, bw))
         torch.cuda.empty_cache()
     sweep: list[dict[str, Any]] = []
@@ -362,27 +399,13 @@ def main() -> None:
     if args.bh_sweep:
         print("B·H sweep", file=sys.stderr)
         for H in BH_SWEEP_H:
-            bh.append(row(1, BH_SWEEP_T, H, fla_fn, bw))
+            bh.append(row(1, BH_SWEEP_T, H, fla_fn, bw, args.graph))
             torch.cuda.empty_cache()
 
-    print("accuracy", file=sys.stderr)
-    x1 = inputs(1, 1000, 32, seed=1)
-    ref1 = oracle(x1)
-    acc = [error_row("ours", 1000, lambda: call_ours(x1), ref1)]
-    if fla_fn is not None:
-        acc.append(error_row("fla", 1000, lambda: call_fla(fla_fn, x1), ref1))
-    if not args.quick:
-        xl = inputs(1, 32768, 32, seed=2)
-        refl = oracle(xl)
-        acc.append(error_row("ours", 32768, lambda: call_ours(xl), refl))
-        if fla_fn is not None:
-            acc.append(error_row("fla", 32768, lambda: call_fla(fla_fn, xl), refl))
-        del xl, refl
-    torch.cuda.empty_cache()
-
-    extra: list[str] = ["", "Breakdown (GPU ms, each part alone):", ""]
-    print("breakdown", file=sys.stderr)
-    extra += breakdown(*SHAPES[0])
+    acc: list[str] = []
+    extra: list[str] = []
+    if rows:  # the main shapes' companions: the errors and the breakdown (skipped with --shapes 0)
+        acc, extra = accuracy_and_breakdown(fla_fn, args.quick)
     if args.precision_sweep:
         print("precision sweep", file=sys.stderr)
         extra += ["", "Precision of bf16 inputs (errors vs the float64 reference, H = 32):", ""]

@@ -4,7 +4,9 @@ Same call on both KDA sides (``bench_chunk.py``'s inputs): q, k, v bf16 ``[B, T,
 ``use_qk_l2norm_in_kernel=True``, g = logsigmoid(randn) fp32, beta bf16 in [0, 1], ``output_final_state=True``;
 the backward with a random ``do`` (bf16) and ``dht`` (fp32). SDPA (causal) forward + backward on the same q, k, v
 as ``[B, H, T, 128]``. Shapes: (B, T, H) in {(1, 32768, 32), (8, 4096, 32), (2, 16384, 16), (1, 32768, 8),
-(1, 32768, 4)}; with ``--bh-sweep`` also B1 T32768 at 1 to 64 heads.
+(1, 32768, 4)}; with ``--bh-sweep`` also B1 T32768 at 1 to 64 heads (plotted as ``bench_chunk_bwd_bh.png``), with
+``--graph`` as CUDA-graph replays of the whole step (at one or two heads an eager step's launches take the host
+longer than its kernels take the GPU).
 
 Columns: GPU ms of forward + backward (``triton.testing.do_bench`` median after a compiling, autotuning call),
 peak memory above the inputs (``torch.cuda.max_memory_allocated`` minus what was allocated before the call, reset
@@ -12,7 +14,7 @@ before each), ours / fla. Accuracy at T = 1000: relative error of every bf16 gra
 the float64 oracle (``kda_ops.reference.chunk_bwd`` on float64 copies of the same inputs).
 
 Usage: ``python benchmarks/bench_chunk_bwd.py [--out DIR] [--wheels W ...] [--shapes N] [--skip-fla] [--profile]
-[--bh-sweep]``
+[--bh-sweep] [--graph]``
 (``--profile``: our kernels' GPU time at the first shape); writes ``bench_chunk_bwd.md``,
 ``.json`` and ``.png`` to ``--out`` (default ``benchmarks/results``); the markdown table is printed last.
 """
@@ -33,6 +35,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _bench  # noqa: E402
 from bench_chunk import BH_SWEEP_H, BH_SWEEP_T, DEV, ROOT, SHAPES, inputs, load_fla  # noqa: E402
 
 import kda_ops  # noqa: E402
@@ -70,11 +73,13 @@ def sdpa_run(x: dict[str, torch.Tensor], do: torch.Tensor) -> Callable[[], Any]:
     return run
 
 
-def timed(run: Callable[[], Any]) -> tuple[float, float]:
-    """(ms, peak GB above what was allocated before the call)."""
+def timed(run: Callable[[], Any], graph: bool = False) -> tuple[float, float]:
+    """(ms, peak GB above what was allocated before the call); with ``graph`` the ms of a CUDA-graph replay of
+    ``run``, captured once after its compiling, autotuning call."""
     run()  # compile and autotune
     torch.cuda.synchronize()
-    ms = float(do_bench(run, warmup=10, rep=100, return_mode="median"))
+    fn = _bench.capture(run)[0].replay if graph else run
+    ms = float(do_bench(fn, warmup=10, rep=100, return_mode="median"))
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -118,6 +123,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also list our kernels' GPU time at the first shape")
     ap.add_argument("--bh-sweep", action="store_true",
                     help=f"also time B1 T{BH_SWEEP_T} at H in {BH_SWEEP_H} (bench_chunk.py's B·H sweep)")  # fmt: skip
+    ap.add_argument("--graph", action="store_true",
+                    help="time the B·H sweep as CUDA-graph replays (the host's launches drop out)")  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_chunk_bwd: needs a CUDA GPU")
@@ -128,17 +135,24 @@ def main() -> None:
     picked = SHAPES[: args.shapes] if args.only is None else [SHAPES[i] for i in args.only]
     if args.bh_sweep:
         picked += [(1, BH_SWEEP_T, H) for H in BH_SWEEP_H if (1, BH_SWEEP_T, H) not in picked]
+    swept = [(1, BH_SWEEP_T, H) for H in BH_SWEEP_H] if args.bh_sweep else []
     for B, T, H in picked:
         print(f"timing B{B} T{T} H{H}", file=sys.stderr, flush=True)
+        graph = args.graph and (B, T, H) in swept
         x = inputs(B, T, H)
         gen = torch.Generator(device=DEV).manual_seed(9)
         do = torch.randn(x["v"].shape, generator=gen, device=DEV).bfloat16()
         dht = torch.randn(B, H, 128, 128, generator=gen, device=DEV)
         r: dict[str, Any] = {"B": B, "T": T, "H": H}
-        r["ours_ms"], r["ours_gb"] = timed(fwd_bwd(kda_ops.chunk_kda, x, do, dht))
+        r["ours_ms"], r["ours_gb"] = timed(fwd_bwd(kda_ops.chunk_kda, x, do, dht), graph)
         print(f"  ours {r['ours_ms']:.3f} ms, {r['ours_gb']:.2f} GB", file=sys.stderr, flush=True)
-        r["fla_ms"], r["fla_gb"] = timed(fwd_bwd(fla_fn, x, do, dht)) if fla_fn else (None, None)
-        r["sdpa_ms"], r["sdpa_gb"] = timed(sdpa_run(x, do))
+        r["fla_ms"], r["fla_gb"] = None, None
+        if fla_fn:
+            try:
+                r["fla_ms"], r["fla_gb"] = timed(fwd_bwd(fla_fn, x, do, dht), graph)
+            except Exception as e:  # noqa: BLE001 - a peer failure (its capture, say) is reported, not fatal
+                print(f"  fla failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        r["sdpa_ms"], r["sdpa_gb"] = timed(sdpa_run(x, do), graph)
         rows.append(r)
         print(f"  {r}", file=sys.stderr, flush=True)
         del x, do, dht
@@ -195,6 +209,23 @@ def main() -> None:
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / "bench_chunk_bwd.png", dpi=120)
+        plt.close(fig)
+        bh = sorted((r for r in rows if (r["B"], r["T"], r["H"]) in swept), key=lambda r: r["H"])
+        if bh:
+            fig, ax = plt.subplots(figsize=(7, 4.5))
+            for key, name, mark in (("ours_ms", "kda_ops", "o-"), ("fla_ms", "fla-core 0.6.0", "s-"),
+                                    ("sdpa_ms", "SDPA (causal)", "^-")):  # fmt: skip
+                if all(r[key] is not None for r in bh):
+                    ax.plot([r["H"] for r in bh], [r[key] for r in bh], mark, label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel(f"B·H (B = 1, T = {BH_SWEEP_T}, K = V = 128, bf16)")
+            ax.set_ylabel("forward + backward, ms (median)")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend()
+            fig.tight_layout()
+            fig.savefig(out / "bench_chunk_bwd_bh.png", dpi=130)
+            plt.close(fig)
     except ImportError:
         print("matplotlib missing: no plot")
     print(md)
