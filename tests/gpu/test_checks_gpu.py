@@ -1,8 +1,9 @@
 """The checked mode on CUDA: each value the fast path trusts, when bad, raises the CPU checks' error; off, no call
-synchronises with the device (``torch.cuda.set_sync_debug_mode("error")``)."""
+synchronises with the device (``torch.cuda.set_sync_debug_mode("error")``) and none launches the checks' kernels."""
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import pytest
@@ -69,3 +70,38 @@ def test_off_no_call_synchronises() -> None:
             kda_ops.recurrent_kda_update_(**x, state_pool=pool, state_indices=slots, cu_seqlens=cu)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+def _kernels(call: Any) -> collections.Counter[str]:
+    """The CUDA kernels ``call`` launches (torch.profiler), by name and count."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call()  # compile first
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return collections.Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def test_off_the_calls_launch_no_check() -> None:
+    """Off, each public function launches a subset of its checked launches, and strictly fewer: the checks' work
+    runs only when asked for."""
+    x = _inputs()
+    cu = torch.tensor([0, 20, 40], device=DEV)
+    pool = torch.zeros(4, 2, 32, 32, device=DEV)
+    slots = torch.tensor([0, 1], device=DEV)
+    calls = {
+        "chunk": lambda: kda_ops.chunk_kda(**x, cu_seqlens=cu),
+        "recurrent": lambda: kda_ops.recurrent_kda(**x, cu_seqlens=cu),
+        "serving": lambda: kda_ops.recurrent_kda_update_(**x, state_pool=pool, state_indices=slots, cu_seqlens=cu),
+    }
+    with torch.no_grad():
+        for name, call in calls.items():
+            off = _kernels(call)
+            kda_ops.set_checks(True)
+            try:
+                on = _kernels(call)
+            finally:
+                kda_ops.set_checks(False)
+            assert off <= on and off != on, (name, off, on)
