@@ -84,6 +84,14 @@ def test_launch_configuration_caps_warps_at_narrow_tiles() -> None:
     assert launch.launch("dqk", BK=128, BV=128)["num_warps"] == launch.LAUNCH["dqk"]["num_warps"] == 8
 
 
+def test_launch_configuration_passes_a_register_cap_only_where_configured() -> None:
+    """A stage's ``maxnreg`` reaches its launch options when its entry sets one, and no launch gets one otherwise."""
+    table = {"a": {"num_warps": 4, "num_stages": 1, "BK": 32}, "b": {"num_warps": 4, "num_stages": 1, "maxnreg": 168}}
+    assert "maxnreg" not in launch.launch("a", table, BK=128)
+    assert launch.launch("b", table)["maxnreg"] == 168
+    assert not any("maxnreg" in cfg for cfg in launch.LAUNCH.values())
+
+
 def test_programmatic_dependent_launch_only_where_supported() -> None:
     """Off CUDA (and under the interpreter) the forward's kernels launch plainly; the toolkit gate reads versions."""
     assert dict(launch.pdl(torch.device("cpu"))) == {"PDL": False}

@@ -192,11 +192,13 @@ WARP_BLOCK = 16 * 16
 
 
 def launch(stage: str, table: Mapping[str, Mapping[str, int]] = LAUNCH, **tiles: int) -> dict[str, int]:
-    """The ``num_warps``/``num_stages`` of ``stage``'s kernel in ``table`` (the test-only stage kernels keep a table
-    of their own), and each tile of ``tiles`` (``name=dim``) as the configured tile capped at ``pow2(dim)``: keyword
-    arguments for the launch. The warps are capped by :data:`WARP_BLOCK`."""
+    """The ``num_warps``/``num_stages`` (and ``maxnreg`` where configured) of ``stage``'s kernel in ``table`` (the
+    test-only stage kernels keep a table of their own), and each tile of ``tiles`` (``name=dim``) as the configured
+    tile capped at ``pow2(dim)``: keyword arguments for the launch. The warps are capped by :data:`WARP_BLOCK`."""
     cfg = table[stage]
     out = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    if "maxnreg" in cfg:  # a register cap per thread, for a stage that runs more programs per SM under it
+        out["maxnreg"] = cfg["maxnreg"]
     narrowed = [pow2(dim) for name, dim in tiles.items() if pow2(dim) < cfg[name]]
     for name, dim in tiles.items():
         out[name] = min(pow2(dim), cfg[name])
