@@ -42,3 +42,25 @@ def test_help_runs_and_cites_no_issue_number(script: str) -> None:
 def test_without_a_gpu_the_script_says_so(script: str) -> None:
     run = _run(script, "--skip-fla")
     assert run.returncode != 0 and "needs a CUDA GPU" in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def test_launch_variants_parse_and_restore_the_table() -> None:
+    """``bench_launch.py``'s variants: parsed per stage, applied for their block only, bad ones named."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_launch
+
+    from kda_ops.triton import launch
+
+    before = {stage: dict(entry) for stage, entry in launch.LAUNCH.items()}
+    variant = bench_launch.parse_variant("prepare:BK=16,maxnreg=168+dqk:num_warps=4")
+    assert variant == {"prepare": {"BK": 16, "maxnreg": 168}, "dqk": {"num_warps": 4}}
+    with bench_launch.launched(variant):
+        assert launch.launch("prepare", BK=128, BV=128)["BK"] == 16
+        assert launch.launch("prepare", BK=128, BV=128)["maxnreg"] == 168
+    assert launch.LAUNCH == before
+    for bad in ("prepare", "nostage:BK=16", "prepare:BK=x", "prepare:XX=1"):
+        with pytest.raises(ValueError, match="variant"):
+            bench_launch.parse_variant(bad)
+    assert bench_launch.parse_shape("1,32768,32") == (1, 32768, 32)
+    with pytest.raises(ValueError, match="--shapes"):
+        bench_launch.parse_shape("1,32768")

@@ -1,0 +1,159 @@
+"""Launch configurations of the chunk kernels side by side: the forward (and with ``--backward`` the forward +
+backward) at the configured launch and at each variant given, in one process.
+
+A variant changes entries of :data:`kda_ops.triton.launch.LAUNCH` for the length of its timing:
+``STAGE:KEY=VALUE[,KEY=VALUE...]``, several stages joined by ``+``; for example ``prepare:BK=16``,
+``prepare:BK=16,maxnreg=168`` or ``prepare:num_stages=2+dqk:num_warps=4``. Keys are those of the table's entries
+(``num_warps``, ``num_stages``, the stage's tiles ``BK``/``BV``) and ``maxnreg``, a register cap per thread.
+
+Inputs are ``bench_chunk.py``'s (bf16, K = V = 128, l2norm in kernel, final state out); the backward takes a random
+``do`` (bf16) and ``dht`` (fp32), as ``bench_chunk_bwd.py`` does. Columns: GPU ms (``triton.testing.do_bench``
+median after a compiling call, L2 flushed), and the largest absolute difference of the outputs (with
+``--backward``: of every gradient) from the configured launch's; a variant whose products group their sums
+differently (other warps, another key tile) rounds differently, so a small difference is expected there, 0 elsewhere.
+
+Usage: ``python benchmarks/bench_launch.py [--shapes B,T,H ...] [--backward] [--out FILE] VARIANT ...``; the table
+is printed last and written to ``--out`` when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_chunk  # noqa: E402
+import bench_chunk_bwd  # noqa: E402
+
+import kda_ops  # noqa: E402
+from kda_ops.triton import launch  # noqa: E402
+
+KEYS = ("num_warps", "num_stages", "BK", "BV", "maxnreg")
+DEFAULT_SHAPES = ["1,32768,32", "8,4096,32", "1,32768,4"]
+
+
+def parse_variant(text: str) -> dict[str, dict[str, int]]:
+    """``"prepare:BK=16,maxnreg=168+dqk:num_warps=4"`` as ``{"prepare": {"BK": 16, "maxnreg": 168}, "dqk":
+    {"num_warps": 4}}``; a ValueError names what is wrong."""
+    out: dict[str, dict[str, int]] = {}
+    for part in text.split("+"):
+        stage, sep, items = part.partition(":")
+        if not sep or stage not in launch.LAUNCH:
+            raise ValueError(f"variant {text!r}: expected STAGE:KEY=VALUE with STAGE one of {sorted(launch.LAUNCH)}")
+        entry = out.setdefault(stage, {})
+        for item in items.split(","):
+            key, eq, value = item.partition("=")
+            if not eq or key not in KEYS or not value.isdigit():
+                raise ValueError(f"variant {text!r}: expected KEY=INTEGER with KEY one of {KEYS}, got {item!r}")
+            entry[key] = int(value)
+    return out
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """``"1,32768,32"`` as ``(1, 32768, 32)``; a ValueError names what is wrong."""
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"--shapes: expected B,T,H (three integers), got {text!r}")
+    return int(parts[0]), int(parts[1]), int(parts[2])
+
+
+@contextlib.contextmanager
+def launched(variant: dict[str, dict[str, int]]) -> Iterator[None]:
+    """The launch table with ``variant``'s entries changed, restored on exit."""
+    saved = {stage: dict(launch.LAUNCH[stage]) for stage in variant}
+    try:
+        for stage, entry in variant.items():
+            launch.LAUNCH[stage].update(entry)
+        yield
+    finally:
+        for stage, entry in saved.items():
+            launch.LAUNCH[stage].clear()
+            launch.LAUNCH[stage].update(entry)
+
+
+def max_diff(got: Sequence[torch.Tensor | None], ref: Sequence[torch.Tensor | None]) -> float:
+    return max(((a.float() - b.float()).abs().max().item() for a, b in zip(got, ref, strict=True)
+                if a is not None and b is not None), default=0.0)  # fmt: skip
+
+
+def measure(shape: tuple[int, int, int], backward: bool) -> tuple[Callable[[], list[Any]], Callable[[], float]]:
+    """The call at ``shape`` (returning the tensors to compare) and its timing."""
+    B, T, H = shape
+    x = bench_chunk.inputs(B, T, H)
+    if not backward:
+
+        def call() -> list[Any]:
+            with torch.no_grad():
+                return list(bench_chunk.call_ours(x))
+
+        return call, lambda: bench_chunk.gpu_ms(call)
+    gen = torch.Generator(device=bench_chunk.DEV).manual_seed(9)
+    do = torch.randn(x["v"].shape, generator=gen, device=bench_chunk.DEV).bfloat16()
+    dht = torch.randn(B, H, bench_chunk.D, bench_chunk.D, generator=gen, device=bench_chunk.DEV)
+    run = bench_chunk_bwd.fwd_bwd(kda_ops.chunk_kda, x, do, dht)
+    return lambda: [g.clone() if g is not None else None for g in run()], lambda: bench_chunk_bwd.timed(run)[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    ap.add_argument("variants", nargs="*", help="STAGE:KEY=VALUE[,KEY=VALUE...][+STAGE:...]")
+    ap.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES, help="B,T,H of each shape")
+    ap.add_argument("--backward", action="store_true", help="time forward + backward and compare the gradients")
+    ap.add_argument("--out", type=Path, default=None, help="also write the table here")
+    ap.add_argument("--skip-fla", action="store_true", help="accepted for the common flags (no peer is timed)")
+    args = ap.parse_args()
+    try:
+        variants = {"as configured": {}, **{text: parse_variant(text) for text in args.variants}}
+        shapes = [parse_shape(text) for text in args.shapes]
+    except ValueError as e:
+        ap.error(str(e))
+    if not torch.cuda.is_available():
+        sys.exit("bench_launch: needs a CUDA GPU")
+    what = "forward + backward" if args.backward else "forward"
+    head = ["launch", *(f"B{B} T{T} H{H} ms" for B, T, H in shapes), "max diff"]
+    lines = [
+        f"{what.capitalize()} by launch, {datetime.date.today().isoformat()}, {torch.cuda.get_device_name()}, torch "
+        f"{torch.__version__}, triton {triton.__version__} (bf16, K = V = {bench_chunk.D})",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    results: dict[str, list[str]] = {name: [] for name in variants}
+    diffs: dict[str, float] = dict.fromkeys(variants, 0.0)
+    for shape in shapes:
+        call, timing = measure(shape, args.backward)
+        ref: list[Any] | None = None
+        for name, variant in variants.items():
+            with launched(variant):
+                try:
+                    got = call()
+                    ref = got if ref is None else ref
+                    diffs[name] = max(diffs[name], max_diff(got, ref))
+                    ms = timing()
+                    results[name].append(f"{ms:.3f}")
+                except Exception as e:  # noqa: BLE001 - a variant that fails to build or launch is reported
+                    results[name].append(f"failed: {type(e).__name__}")
+            print(f"  {shape} {name}: {results[name][-1]}", file=sys.stderr, flush=True)
+        del call, timing, ref
+        torch.cuda.empty_cache()
+    for name in variants:
+        lines.append(f"| {name} | " + " | ".join(results[name]) + f" | {diffs[name]:.1e} |")
+    text = "\n".join(lines) + "\n"
+    if args.out is not None:
+        args.out.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
