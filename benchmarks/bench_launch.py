@@ -12,8 +12,8 @@ median after a compiling call, L2 flushed), and the largest absolute difference 
 ``--backward``: of every gradient) from the configured launch's; a variant whose products group their sums
 differently (other warps, another key tile) rounds differently, so a small difference is expected there, 0 elsewhere.
 
-Usage: ``python benchmarks/bench_launch.py [--shapes B,T,H ...] [--backward] [--out FILE] VARIANT ...``; the table
-is printed last and written to ``--out`` when given.
+Usage: ``python benchmarks/bench_launch.py [--shapes B,T,H ...] [--backward] [--out DIR] VARIANT ...``; the table
+is printed last and written to ``DIR/bench_launch.md`` when ``--out`` is given.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def main() -> None:
     ap.add_argument("variants", nargs="*", help="STAGE:KEY=VALUE[,KEY=VALUE...][+STAGE:...]")
     ap.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES, help="B,T,H of each shape")
     ap.add_argument("--backward", action="store_true", help="time forward + backward and compare the gradients")
-    ap.add_argument("--out", type=Path, default=None, help="also write the table here")
+    ap.add_argument("--out", type=Path, default=None, help="also write the table to DIR/bench_launch.md")
     ap.add_argument("--skip-fla", action="store_true", help="accepted for the common flags (no peer is timed)")
     args = ap.parse_args()
     try:
@@ -151,7 +151,8 @@ def main() -> None:
         lines.append(f"| {name} | " + " | ".join(results[name]) + f" | {diffs[name]:.1e} |")
     text = "\n".join(lines) + "\n"
     if args.out is not None:
-        args.out.write_text(text)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_launch.md").write_text(text)
     print(text)
 
 
