@@ -4,7 +4,10 @@ backward) at the configured launch and at each variant given, in one process.
 A variant changes entries of :data:`kda_ops.triton.launch.LAUNCH` for the length of its timing:
 ``STAGE:KEY=VALUE[,KEY=VALUE...]``, several stages joined by ``+``; for example ``prepare:BK=16``,
 ``prepare:BK=16,maxnreg=168`` or ``prepare:num_stages=2+dqk:num_warps=4``. Keys are those of the table's entries
-(``num_warps``, ``num_stages``, the stage's tiles ``BK``/``BV``) and ``maxnreg``, a register cap per thread.
+(``num_warps``, ``num_stages``, the stage's tiles ``BK``/``BV``) and ``maxnreg``, a register cap per thread. The
+pseudo-stage ``forms`` forces the kernel forms of :func:`kda_ops.triton.force_forms` instead: ``forms:scan_segments=4``
+(the split scan's segments per sequence), ``forms:scan_block_v=32``, ``forms:output_per_item=1``. ``--graph`` times
+each call as a CUDA-graph replay (a short prompt, where an eager call measures the host).
 
 Inputs are ``bench_chunk.py``'s (bf16, K = V = 128, l2norm in kernel, final state out); the backward takes a random
 ``do`` (bf16) and ``dht`` (fp32), as ``bench_chunk_bwd.py`` does. Columns: GPU ms (``triton.testing.do_bench``
@@ -12,8 +15,8 @@ median after a compiling call, L2 flushed), and the largest absolute difference 
 ``--backward``: of every gradient) from the configured launch's; a variant whose products group their sums
 differently (other warps, another key tile) rounds differently, so a small difference is expected there, 0 elsewhere.
 
-Usage: ``python benchmarks/bench_launch.py [--shapes B,T,H ...] [--backward] [--out DIR] VARIANT ...``; the table
-is printed last and written to ``DIR/bench_launch.md`` when ``--out`` is given.
+Usage: ``python benchmarks/bench_launch.py [--shapes B,T,H ...] [--backward] [--graph] [--out DIR] VARIANT ...``;
+the table is printed last and written to ``DIR/bench_launch.md`` when ``--out`` is given.
 """
 
 from __future__ import annotations
@@ -37,9 +40,10 @@ import bench_chunk  # noqa: E402
 import bench_chunk_bwd  # noqa: E402
 
 import kda_ops  # noqa: E402
-from kda_ops.triton import launch  # noqa: E402
+from kda_ops.triton import force_forms, launch  # noqa: E402
 
 KEYS = ("num_warps", "num_stages", "BK", "BV", "maxnreg")
+FORMS = ("scan_segments", "scan_block_v", "output_per_item")
 DEFAULT_SHAPES = ["1,32768,32", "8,4096,32", "1,32768,4"]
 
 
@@ -49,13 +53,15 @@ def parse_variant(text: str) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     for part in text.split("+"):
         stage, sep, items = part.partition(":")
-        if not sep or stage not in launch.LAUNCH:
-            raise ValueError(f"variant {text!r}: expected STAGE:KEY=VALUE with STAGE one of {sorted(launch.LAUNCH)}")
+        if not sep or (stage not in launch.LAUNCH and stage != "forms"):
+            raise ValueError(f"variant {text!r}: expected STAGE:KEY=VALUE with STAGE one of "
+                             f"{sorted(launch.LAUNCH)} or forms")  # fmt: skip
+        keys = FORMS if stage == "forms" else KEYS
         entry = out.setdefault(stage, {})
         for item in items.split(","):
             key, eq, value = item.partition("=")
-            if not eq or key not in KEYS or not value.isdigit():
-                raise ValueError(f"variant {text!r}: expected KEY=INTEGER with KEY one of {KEYS}, got {item!r}")
+            if not eq or key not in keys or not value.isdigit():
+                raise ValueError(f"variant {text!r}: expected KEY=INTEGER with KEY one of {keys}, got {item!r}")
             entry[key] = int(value)
     return out
 
@@ -70,12 +76,16 @@ def parse_shape(text: str) -> tuple[int, int, int]:
 
 @contextlib.contextmanager
 def launched(variant: dict[str, dict[str, int]]) -> Iterator[None]:
-    """The launch table with ``variant``'s entries changed, restored on exit."""
-    saved = {stage: dict(launch.LAUNCH[stage]) for stage in variant}
+    """The launch table with ``variant``'s entries changed (and its forms forced), restored on exit."""
+    forms = variant.get("forms", {})
+    saved = {stage: dict(launch.LAUNCH[stage]) for stage in variant if stage != "forms"}
     try:
-        for stage, entry in variant.items():
-            launch.LAUNCH[stage].update(entry)
-        yield
+        for stage in saved:
+            launch.LAUNCH[stage].update(variant[stage])
+        per_item = forms.get("output_per_item")
+        with force_forms(scan_block_v=forms.get("scan_block_v"), scan_segments=forms.get("scan_segments"),
+                         output_per_item=None if per_item is None else bool(per_item)):  # fmt: skip
+            yield
     finally:
         for stage, entry in saved.items():
             launch.LAUNCH[stage].clear()
@@ -87,8 +97,10 @@ def max_diff(got: Sequence[torch.Tensor | None], ref: Sequence[torch.Tensor | No
                 if a is not None and b is not None), default=0.0)  # fmt: skip
 
 
-def measure(shape: tuple[int, int, int], backward: bool) -> tuple[Callable[[], list[Any]], Callable[[], float]]:
-    """The call at ``shape`` (returning the tensors to compare) and its timing."""
+def measure(shape: tuple[int, int, int], backward: bool,
+            graph: bool) -> tuple[Callable[[], list[Any]], Callable[[], float]]:  # fmt: skip
+    """The call at ``shape`` (returning the tensors to compare) and its timing (of a CUDA-graph replay with
+    ``graph``)."""
     B, T, H = shape
     x = bench_chunk.inputs(B, T, H)
     if not backward:
@@ -97,12 +109,12 @@ def measure(shape: tuple[int, int, int], backward: bool) -> tuple[Callable[[], l
             with torch.no_grad():
                 return list(bench_chunk.call_ours(x))
 
-        return call, lambda: bench_chunk.gpu_ms(call)
+        return call, lambda: bench_chunk.gpu_ms(call, graph)
     gen = torch.Generator(device=bench_chunk.DEV).manual_seed(9)
     do = torch.randn(x["v"].shape, generator=gen, device=bench_chunk.DEV).bfloat16()
     dht = torch.randn(B, H, bench_chunk.D, bench_chunk.D, generator=gen, device=bench_chunk.DEV)
     run = bench_chunk_bwd.fwd_bwd(kda_ops.chunk_kda, x, do, dht)
-    return lambda: [g.clone() if g is not None else None for g in run()], lambda: bench_chunk_bwd.timed(run)[0]
+    return lambda: [g.clone() if g is not None else None for g in run()], lambda: bench_chunk_bwd.timed(run, graph)[0]
 
 
 def main() -> None:
@@ -110,6 +122,7 @@ def main() -> None:
     ap.add_argument("variants", nargs="*", help="STAGE:KEY=VALUE[,KEY=VALUE...][+STAGE:...]")
     ap.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES, help="B,T,H of each shape")
     ap.add_argument("--backward", action="store_true", help="time forward + backward and compare the gradients")
+    ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (short prompts)")
     ap.add_argument("--out", type=Path, default=None, help="also write the table to DIR/bench_launch.md")
     ap.add_argument("--skip-fla", action="store_true", help="accepted for the common flags (no peer is timed)")
     args = ap.parse_args()
@@ -132,7 +145,7 @@ def main() -> None:
     results: dict[str, list[str]] = {name: [] for name in variants}
     diffs: dict[str, float] = dict.fromkeys(variants, 0.0)
     for shape in shapes:
-        call, timing = measure(shape, args.backward)
+        call, timing = measure(shape, args.backward, args.graph)
         ref: list[Any] | None = None
         for name, variant in variants.items():
             with launched(variant):
