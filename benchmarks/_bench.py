@@ -71,8 +71,13 @@ def capture(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # the capture on a stream of its own inside a stream context: a capture that fails (a peer's call that cannot be
+    # captured) then still leaves the caller on its own stream
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         out = fn()
+    torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     return graph, out
 

@@ -22,8 +22,8 @@ inputs (the numbers behind ``kda_ops/triton/chunk/precision.py``); ``--sweep-bv`
 scan (``kda_ops/triton/chunk/scan.py``); ``--bh-sweep`` times B1 T32768 at 1 to 64 heads (the split scan's range
 and beyond, plotted as ``bench_chunk_bh.png``), with ``--graph`` as CUDA-graph replays (at one or two heads an
 eager call's launches take the host longer than its kernels take the GPU, so eager timing measures the host), and
-with ``--shapes 0`` alone (each shape costs fla's autotuning, ~1.5 minutes a shape on an H200); ``--quick`` skips
-the T sweep and the T = 32768 error.
+with ``--shapes 0`` alone, without the T sweep (each shape costs fla's autotuning, ~1.5 minutes a shape on an
+H200); ``--quick`` skips the T sweep and the T = 32768 error.
 
 fla is imported from the environment, or from wheels given by ``--wheels`` (default: ``.whl/*.whl`` of the
 repository: fla_core-0.6.0 and einops), unpacked into a temporary folder at run time.
@@ -390,7 +390,7 @@ def main() -> None:
         rows.append(row(B, T, H, fla_fn, bw))
         torch.cuda.empty_cache()
     sweep: list[dict[str, Any]] = []
-    if not args.quick:
+    if not args.quick and args.shapes > 0:
         print("T sweep", file=sys.stderr)
         for T in SWEEP_T:
             sweep.append(row(SWEEP_TOKENS // T, T, SWEEP_H, fla_fn, bw))
@@ -430,7 +430,8 @@ def main() -> None:
     if sweep:
         lines += ["", f"T sweep at B * T = {SWEEP_TOKENS}, H = {SWEEP_H}:", ""] + table(sweep)
     if bh:
-        lines += ["", f"B·H sweep at B = 1, T = {BH_SWEEP_T}:", ""] + table(bh)
+        timing = "CUDA-graph replays" if args.graph else "eager calls"
+        lines += ["", f"B·H sweep at B = 1, T = {BH_SWEEP_T} ({timing}):", ""] + table(bh)
     lines += ["", "Relative error against the float64 reference (same bf16 inputs, H = 32):", "",
               "| implementation | T | o | final state |", "|---|---|---|---|"] + acc + extra  # fmt: skip
     text = "\n".join(lines) + "\n"
@@ -438,7 +439,7 @@ def main() -> None:
     (args.out / "bench_chunk.md").write_text(text)
     (args.out / "bench_chunk.json").write_text(json.dumps(
         {"date": today, "gpu": gpu, "versions": versions, "copy_bandwidth": bw, "shapes": rows, "sweep": sweep,
-         "bh_sweep": bh, "accuracy": acc, "extra": extra}, indent=1))  # fmt: skip
+         "bh_sweep": bh, "bh_sweep_graph": args.graph, "accuracy": acc, "extra": extra}, indent=1))  # fmt: skip
     if sweep:
         try:
             plot(sweep, args.out / "bench_chunk.png", f"Chunkwise KDA forward, {gpu}")
