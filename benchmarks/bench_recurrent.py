@@ -16,9 +16,10 @@ bandwidth measured in the same run (a torch copy of a large tensor: bytes read +
 fla is imported from the environment, or from wheels given by ``--wheels`` (default: ``.whl/*.whl`` of the
 repository, e.g. fla_core-0.6.0 and einops), unpacked into a temporary folder at run time.
 
-Usage: ``python benchmarks/bench_recurrent.py [--out FILE] [--sweep] [--backward] [--skip-fla]``. The markdown
-table comes last. ``--sweep`` times the serving step (graph-replayed) for every value tile / warp count, the numbers
-behind the fixed launch configuration in ``kda_ops/triton/launch.py`` (``recurrent_config``).
+Usage: ``python benchmarks/bench_recurrent.py [--out FILE] [--sweep [--sweep-pool bf16]] [--backward]
+[--skip-fla]``. The markdown table comes last. ``--sweep`` times the serving step (graph-replayed) for every value
+tile / warp count, the numbers behind the fixed launch configuration in ``kda_ops/triton/launch.py``
+(``recurrent_config``), on an fp32 pool or with ``--sweep-pool bf16`` a bf16 one.
 """
 
 from __future__ import annotations
@@ -149,14 +150,17 @@ def breakdown(fla_fn: Callable[..., Any] | None) -> list[tuple[str, float]]:
     return out
 
 
-def sweep(batches: tuple[int, ...]) -> str:
-    """Graph-replayed serving step for each (BV, num_warps): the data behind the fixed launch configuration."""
+def sweep(batches: tuple[int, ...], pool_dtype: torch.dtype = torch.float32) -> str:
+    """Graph-replayed serving step for each (BV, num_warps) on a pool of ``pool_dtype``: the data behind the fixed
+    launch configuration."""
     import kda_ops.triton.recurrent.forward as tr
 
     original = tr.recurrent_config
     lines = ["| BV | num_warps | " + " | ".join(f"B={B} µs" for B in batches) + " |",
              "|---|---|" + "---|" * len(batches)]  # fmt: skip
     inputs = {B: decode_inputs(B) for B in batches}
+    for x in inputs.values():
+        x["pool"] = x["pool"].to(pool_dtype)
     try:
         for BV in (16, 32, 64, 128):
             for nw in (1, 2, 4, 8):
@@ -211,6 +215,8 @@ def main() -> None:
     parser.add_argument("--wheels", nargs="*", default=sorted(glob.glob(str(ROOT / ".whl" / "*.whl"))),
                         help="wheels to import fla from when it is not installed")  # fmt: skip
     parser.add_argument("--sweep", action="store_true", help="time every value tile / warp count")
+    parser.add_argument("--sweep-pool", choices=("fp32", "bf16"), default="fp32",
+                        help="the state pool's dtype in --sweep (a bf16 pool moves half the bytes a step)")  # fmt: skip
     parser.add_argument("--backward", action="store_true", help="also time forward + backward (B=4, T=512)")
     parser.add_argument("--batches", type=int, nargs="*", default=list(BATCHES))
     parser.add_argument("--skip-fla", action="store_true", help="leave fla out: time kda_ops only")
@@ -256,7 +262,9 @@ def main() -> None:
     if args.backward:
         extra += ["", backward_timing()]
     if args.sweep:
-        extra += ["", "Launch configuration sweep (serving step, CUDA graph, GPU µs):", "", sweep(tuple(args.batches))]
+        pool_dtype = torch.bfloat16 if args.sweep_pool == "bf16" else torch.float32
+        extra += ["", f"Launch configuration sweep (serving step, {args.sweep_pool} pool, CUDA graph, GPU µs):", "",
+                  sweep(tuple(args.batches), pool_dtype)]  # fmt: skip
     text = "\n".join(header + table + extra) + "\n"
     print(text)
     if args.out is not None:
