@@ -77,6 +77,14 @@ BAD: dict[str, tuple[Callable[[], dict[str, Any]], type[Exception], str]] = {
     "lower_bound positive tensor": (_case(use_gate_in_kernel=True, lower_bound=torch.tensor(2.0)), ValueError,
                                     "lower_bound"),  # fmt: skip
     "scale tensor": (_case(scale=torch.tensor(0.5)), TypeError, "scale"),
+    "scale bool": (_case(scale=True), TypeError, "scale"),
+    "scale nan": (_case(scale=float("nan")), ValueError, "scale"),
+    "scale too large for a float": (_case(scale=10**400), ValueError, "scale"),
+    "lower_bound too large for a float": (_case(use_gate_in_kernel=True, lower_bound=-(10**400)), ValueError,
+                                          "lower_bound"),  # fmt: skip
+    "no query heads": (_case(q=lambda x: x["q"][:, :, :0], k=lambda x: x["k"][:, :, :0]), ValueError, "q"),
+    "no value heads": (_case(v=lambda x: x["v"][:, :, :0], g=lambda x: x["g"][:, :, :0],
+                             beta=lambda x: x["beta"][:, :, :0]), ValueError, "v"),  # fmt: skip
 }
 
 

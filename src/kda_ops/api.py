@@ -51,11 +51,9 @@ def _lower_bound(lower_bound: object) -> float:
         if lower_bound.dtype == torch.bool or lower_bound.is_complex():
             _fail(TypeError, "lower_bound", "a real number", lower_bound.dtype)
         lower_bound = lower_bound.item()  # sync-ok: a CPU tensor, eager only
-    if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
-        raise TypeError(f"lower_bound: expected a Python float, got {type(lower_bound).__name__}")
-    value = float(lower_bound)
+    value = _finite_float("lower_bound", lower_bound, "<= 0: the log decay is lower_bound * sigmoid(z)")
     # g = lower_bound * sigmoid(z) is a log decay (<= 0): a positive bound would grow the state; 0 means no decay
-    if not (math.isfinite(value) and value <= 0):
+    if value > 0:
         _fail(ValueError, "lower_bound", "a finite float <= 0 (the log decay is lower_bound * sigmoid(z))", value)
     return value
 
@@ -102,8 +100,10 @@ def _validate(
     if v.dim() != 4 or tuple(v.shape[:2]) != (B, T):
         _fail(ValueError, "v", f"shape [B, T, HV, V] with B, T = {B}, {T} (from q)", list(v.shape))
     HV, V = v.shape[2], v.shape[3]
-    if H == 0 or HV % H != 0:
-        _fail(ValueError, "v", f"a number of value heads HV that is a multiple of H = {H}", f"HV = {HV}")
+    if H == 0:
+        _fail(ValueError, "q", "at least one head (H >= 1)", f"shape {list(q.shape)}")
+    if HV == 0 or HV % H != 0:
+        _fail(ValueError, "v", f"a number of value heads HV >= 1 that is a multiple of H = {H}", f"HV = {HV}")
     if K == 0 or K > MAX_HEAD_DIM:
         _fail(ValueError, "q", f"a head dimension K in [1, {MAX_HEAD_DIM}]", f"K = {K}")
     if V == 0 or V > MAX_HEAD_DIM:
@@ -165,9 +165,21 @@ def _validate(
 
     if scale is None:
         return float(K**-0.5), bound
-    if isinstance(scale, Tensor) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        _fail(TypeError, "scale", "a finite Python float (a new value recompiles a compiled graph)", scale)
-    return float(scale), bound
+    return _finite_float("scale", scale, "a new value recompiles a compiled graph"), bound
+
+
+def _finite_float(name: str, value: object, why: str) -> float:
+    """``value`` as a finite Python float: a TypeError naming ``name`` for anything but a real Python number (a
+    bool or a tensor included), a ValueError for one that is not finite as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(TypeError, name, f"a finite Python float ({why})", type(value).__name__)
+    try:
+        f = float(value)  # type: ignore[arg-type]
+    except OverflowError:
+        f = math.inf
+    if not math.isfinite(f):
+        _fail(ValueError, name, f"a finite Python float ({why})", repr(value) if f == f else "nan")
+    return f
 
 
 def _check_cu_seqlens_values(cu_seqlens: Tensor, T: int) -> None:
