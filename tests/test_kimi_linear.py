@@ -303,3 +303,60 @@ def test_causal_conv1d_where_installed_gives_the_same_layer(monkeypatch: pytest.
     assert calls == ["state", "state", "seq_idx", "plain"]
     for a, b in zip(fast, plain):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+BAD_LAYERS = {
+    "no heads": ((HIDDEN, 0, K), {}, ValueError, "num_heads"),
+    "head_dim over 256": ((HIDDEN, H, 300), {}, ValueError, "head_dim"),
+    "size as a string": ((str(HIDDEN), H, K), {}, TypeError, "hidden_size"),
+    "one tap": ((HIDDEN, H, K), {"conv_size": 1}, ValueError, "conv_size"),
+    "negative eps": ((HIDDEN, H, K), {"norm_eps": -1.0}, ValueError, "norm_eps"),
+    "positive bound": ((HIDDEN, H, K), {"lower_bound": 1.0}, ValueError, "lower_bound"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_LAYERS))
+def test_bad_sizes_are_named_when_the_layer_is_built(case: str) -> None:
+    args, kwargs, exc, name = BAD_LAYERS[case]
+    with pytest.raises(exc, match=f"^{name}: expected"):
+        KimiDeltaAttention(*args, **kwargs)
+
+
+def test_bad_calls_are_named() -> None:
+    m = layer()
+    conv_pool, state_pool = pools()
+    x = hidden(2, 3)
+    calls = {
+        "hidden_states": (lambda: m(x.tolist()), TypeError),
+        "hidden_states ": (lambda: m(x[0]), ValueError),
+        "cu_seqlens": (lambda: m(x[:1], cu_seqlens=[0, 3]), TypeError),
+        "state": (lambda: m(x, state=(conv_pool[:2], state_pool[:2])), TypeError),
+        "state_indices": (lambda: m.forward_pool(x, conv_pool, state_pool, torch.tensor([0, 9])), ValueError),
+        "state_indices ": (lambda: m.forward_pool(x, conv_pool, state_pool, torch.tensor([0.0, 1.0])), TypeError),
+        "conv_pool": (lambda: m.forward_pool(x, conv_pool[:3], state_pool, torch.tensor([0, 1])), ValueError),
+        "conv_pool ": (lambda: m.forward_pool(x, conv_pool.int(), state_pool, torch.tensor([0, 1])), TypeError),
+    }
+    for name, (call, exc) in calls.items():
+        with pytest.raises(exc, match=f"^{name.strip()}: expected"):
+            call()
+
+
+def test_empty_inputs_pass_the_state_through() -> None:
+    """No tokens (T = 0), no sequences (B = 0) or packed empty sequences: empty outputs, the state unchanged."""
+    m = layer()
+    conv, rec = pools(2)
+    y, s = m(hidden(2, 0), state=KimiState(conv=conv, recurrent=rec))
+    assert y.shape == (2, 0, HIDDEN) and s is not None
+    assert torch.equal(s.conv, conv) and torch.equal(s.recurrent, rec)
+    assert m(hidden(0, 5))[0].shape == (0, 5, HIDDEN)
+    y, s = m(hidden(1, 0), cu_seqlens=torch.tensor([0, 0, 0]), use_cache=True)
+    assert y.shape == (1, 0, HIDDEN) and s is not None and s.recurrent.shape == (2, H, K, K)
+
+
+def test_the_pool_form_runs_without_autograd() -> None:
+    """The serving form updates its pools in place: in grad mode it records nothing and its output carries no
+    gradient (the serving ops refuse inputs that require grad)."""
+    m = layer()
+    conv_pool, state_pool = pools()
+    y = m.forward_pool(hidden(2, 3), conv_pool, state_pool, torch.tensor([0, 1]))
+    assert not y.requires_grad

@@ -481,3 +481,18 @@ def test_validation_names_the_argument(over: dict[str, Any], exc: type[Exception
 def test_padding_slots_may_repeat() -> None:
     o = _call(state_indices=torch.tensor([-1, -1]))
     assert torch.equal(o, torch.zeros_like(o))
+
+
+@pytest.mark.parametrize("op", [kda_ops.recurrent_kda_update_, kda_ops.chunk_kda_update_], ids=["recurrent", "chunk"])
+@pytest.mark.parametrize("name", ["q", "g", "state_pool"])
+def test_an_input_that_requires_grad_is_refused_in_grad_mode(op: Any, name: str) -> None:
+    """The serving steps update their pool in place and are not differentiable: in grad mode an input that
+    requires grad is named (under no_grad the same call runs)."""
+    x = {n: t for n, t in make_inputs(1, 6, 2, 8, 8, seed=3).items() if n in ("q", "k", "v", "g", "beta")}
+    pool = make_state(2, 2, 8, 8)
+    args = {**x, "state_pool": pool}
+    args[name] = args[name].clone().requires_grad_()
+    with pytest.raises(ValueError, match=f"^{name}: expected no tensor that requires grad"):
+        op(**args, state_indices=torch.tensor([1]))
+    with torch.no_grad():
+        op(**args, state_indices=torch.tensor([1]))

@@ -40,7 +40,7 @@ def check_flags(*flags: tuple[str, object]) -> None:
             _fail(TypeError, name, "a bool", repr(value))
 
 
-def _lower_bound(lower_bound: object) -> float:
+def check_lower_bound(lower_bound: object) -> float:
     """The gate's bound as a Python float: a real number, or a 0-dim CPU tensor (reading it does not synchronise
     with any device; under ``torch.compile`` a tensor's value is not known while tracing, so a float is needed)."""
     if isinstance(lower_bound, Tensor):
@@ -151,7 +151,7 @@ def _validate(
             check_float("dt_bias", dt_bias)
             _check_shape("dt_bias", dt_bias, (HV * K,), "[HV * K]")
             others.append(("dt_bias", dt_bias))
-        bound = None if lower_bound is None else _lower_bound(lower_bound)
+        bound = None if lower_bound is None else check_lower_bound(lower_bound)
     else:
         bound = None
         for name, given in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
@@ -476,6 +476,13 @@ def _validate_serving(
     checked mode the gate and beta; the scale and lower bound to use."""
     s, bound = _validate(q, k, v, g, beta, scale, None, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound)
     _validate_pool(q, v, state_pool, state_indices, cu_seqlens, state_v_first, num_accepted_tokens, per_token)
+    if torch.is_grad_enabled():
+        for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state_pool", state_pool),
+                        ("A_log", A_log), ("dt_bias", dt_bias)):  # fmt: skip
+            if x is not None and x.requires_grad:
+                _fail(ValueError, name, "no tensor that requires grad: the serving steps update their pool in place "
+                      "and are not differentiable (call them under torch.no_grad() or torch.inference_mode(), or "
+                      "detach the inputs)", "a tensor with requires_grad=True")  # fmt: skip
     if checks.active(g):
         checks.check_gate_and_beta(g, beta, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     return s, bound
@@ -689,7 +696,7 @@ def kda_gate(
         check_float("dt_bias", dt_bias)
         _check_shape("dt_bias", dt_bias, (H * K,), "[H * K] (H, K from g [..., H, K])")
         given.append(("dt_bias", dt_bias))
-    bound = None if lower_bound is None else _lower_bound(lower_bound)
+    bound = None if lower_bound is None else check_lower_bound(lower_bound)
     if not isinstance(output_dtype, torch.dtype) or output_dtype not in _FLOAT:
         _fail(TypeError, "output_dtype", "a floating-point torch.dtype", output_dtype)
     for name, x in given:

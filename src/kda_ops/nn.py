@@ -19,7 +19,42 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kda_ops.api import check_flags, chunk_kda, chunk_kda_update_, kda_gate, recurrent_kda, recurrent_kda_update_
+from kda_ops.api import (
+    MAX_HEAD_DIM,
+    check_flags,
+    check_lower_bound,
+    chunk_kda,
+    chunk_kda_update_,
+    kda_gate,
+    recurrent_kda,
+    recurrent_kda_update_,
+)
+
+
+def _check_sizes(sizes: dict[str, int], head_dims: tuple[str, ...], norm_eps: float,
+                 lower_bound: object) -> None:  # fmt: skip
+    """A layer's constructor arguments: positive int sizes (head dimensions at most the kernels' 256), a positive
+    finite ``norm_eps`` and a valid gate bound, or an error naming the argument."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name}: expected a positive int, got {type(value).__name__}")
+        top = MAX_HEAD_DIM if name in head_dims else None
+        if value < 1 or (top is not None and value > top):
+            raise ValueError(f"{name}: expected an int in [1, {top or 'inf'}], got {value}")
+    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not 0 < norm_eps < math.inf:
+        raise ValueError(f"norm_eps: expected a finite float > 0, got {norm_eps!r}")
+    if lower_bound is not None:
+        check_lower_bound(lower_bound)
+
+
+def _check_hidden(name: str, x: object, hidden_size: int) -> Tensor:
+    """``x``: a floating-point ``[B, T, hidden_size]`` tensor, or an error naming it."""
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point torch.Tensor, got {type(x).__name__}"
+                        + (f" of {x.dtype}" if isinstance(x, Tensor) else ""))  # fmt: skip
+    if x.dim() != 3 or x.shape[2] != hidden_size:
+        raise ValueError(f"{name}: expected [B, T, hidden_size] with hidden_size = {hidden_size}, got {list(x.shape)}")
+    return x
 
 
 class KDALayer(nn.Module):
@@ -46,10 +81,14 @@ class KDALayer(nn.Module):
         recompute_in_backward: bool = False,
     ) -> None:
         check_flags(("recompute_in_backward", recompute_in_backward))
+        sizes = {"hidden_size": hidden_size, "num_heads": num_heads, "head_dim": head_dim,
+                 "num_v_heads": num_heads if num_v_heads is None else num_v_heads,
+                 "head_v_dim": head_dim if head_v_dim is None else head_v_dim}  # fmt: skip
+        _check_sizes(sizes, ("head_dim", "head_v_dim"), norm_eps, lower_bound)
         super().__init__()
-        self.num_heads, self.head_dim = num_heads, head_dim
-        self.num_v_heads = num_heads if num_v_heads is None else num_v_heads
-        self.head_v_dim = head_dim if head_v_dim is None else head_v_dim
+        self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
+        self.num_v_heads = sizes["num_v_heads"]
+        self.head_v_dim = sizes["head_v_dim"]
         if self.num_v_heads % num_heads:
             raise ValueError(f"num_v_heads: expected a multiple of num_heads = {num_heads}, got {self.num_v_heads}")
         self.lower_bound = lower_bound
@@ -85,7 +124,7 @@ class KDALayer(nn.Module):
         ``state_v_first``: ``initial_state`` and the final state ``[N, HV, V, K]`` instead of ``[N, HV, K, V]``.
         """
         check_flags(("recurrent", recurrent))  # output_final_state: checked by the function called
-        B, T, _ = x.shape
+        B, T, _ = _check_hidden("x", x, self.hidden_size).shape
         H, HV, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim
         q = self.q_proj(x).view(B, T, H, K)
         k = self.k_proj(x).view(B, T, H, K)
@@ -153,6 +192,8 @@ def causal_conv(x: Tensor, weight: Tensor, cu: Tensor, conv0: Tensor | None) -> 
     T, C = x.shape
     W = weight.shape[1] - 1
     N = cu.shape[0] - 1
+    if T == 0:  # no tokens: each sequence's last inputs are those it came with
+        return x * weight[:, W], x.new_zeros(N, C, W) if conv0 is None else conv0.to(x.dtype)
     t = torch.arange(T, device=x.device)
     seq = (torch.searchsorted(cu, t, right=True) - 1).clamp_(0, max(N - 1, 0))
     start = cu[seq]
@@ -221,8 +262,10 @@ class KimiDeltaAttention(nn.Module):
         recompute_in_backward: bool = False,
     ) -> None:
         check_flags(("recompute_in_backward", recompute_in_backward))
-        if conv_size < 1:
-            raise ValueError(f"conv_size: expected a positive int, got {conv_size}")
+        _check_sizes({"hidden_size": hidden_size, "num_heads": num_heads, "head_dim": head_dim,
+                      "conv_size": conv_size}, ("head_dim",), norm_eps, lower_bound)  # fmt: skip
+        if conv_size < 2:  # the convolution's state holds its last conv_size - 1 inputs
+            raise ValueError(f"conv_size: expected an int >= 2 (the short convolution's taps), got {conv_size}")
         super().__init__()
         self.hidden_size, self.num_heads, self.head_dim, self.conv_size = hidden_size, num_heads, head_dim, conv_size
         self.lower_bound = lower_bound
@@ -268,7 +311,9 @@ class KimiDeltaAttention(nn.Module):
         per sequence with a ``state`` is a decode step (the recurrent schedule).
         """
         check_flags(("use_cache", use_cache))
-        x = hidden_states
+        x = _check_hidden("hidden_states", hidden_states, self.hidden_size)
+        if state is not None and not isinstance(state, KimiState):
+            raise TypeError(f"state: expected a KimiState or None, got {type(state).__name__}")
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         if attention_mask is not None:
@@ -327,16 +372,37 @@ class KimiDeltaAttention(nn.Module):
         output rows are zeros and neither pool changes. One token per sequence of a dense batch is a decode step
         (the recurrent schedule), anything else a chunked prefill from the slots' states (the chunkwise one). No
         host synchronisation: capturable in a CUDA graph."""
-        x = hidden_states
+        with torch.no_grad():  # inference only: the pools are updated in place
+            return self._forward_pool(hidden_states, conv_pool, state_pool, state_indices, cu_seqlens, state_v_first)
+
+    def _forward_pool(self, hidden_states: Tensor, conv_pool: Tensor, state_pool: Tensor, state_indices: Tensor,
+                      cu_seqlens: Tensor | None, state_v_first: bool) -> Tensor:  # fmt: skip
+        x = _check_hidden("hidden_states", hidden_states, self.hidden_size)
         B, T, _ = x.shape
         H, K, W = self.num_heads, self.head_dim, self.conv_size - 1
         cu = _offsets(x, cu_seqlens)
         N = cu.shape[0] - 1
+        for name, pool in (("conv_pool", conv_pool), ("state_pool", state_pool)):
+            if not isinstance(pool, Tensor) or not pool.is_floating_point():
+                raise TypeError(f"{name}: expected a floating-point torch.Tensor, got {type(pool).__name__}"
+                                + (f" of {pool.dtype}" if isinstance(pool, Tensor) else ""))  # fmt: skip
+        if not isinstance(state_indices, Tensor) or state_indices.dtype not in (torch.int32, torch.int64):
+            raise TypeError("state_indices: expected an int32 or int64 torch.Tensor, got "
+                            + (str(state_indices.dtype) if isinstance(state_indices, Tensor)
+                               else type(state_indices).__name__))  # fmt: skip
         if tuple(state_indices.shape) != (N,):
             raise ValueError(f"state_indices: expected [N] = [{N}], got {list(state_indices.shape)}")
         if conv_pool.dim() != 3 or tuple(conv_pool.shape[1:]) != (3 * H * K, W):
             raise ValueError(f"conv_pool: expected [S, 3 * H * K, conv_size - 1] = [S, {3 * H * K}, {W}], "
                              f"got {list(conv_pool.shape)}")  # fmt: skip
+        if state_pool.dim() != 4 or conv_pool.shape[0] != state_pool.shape[0]:
+            raise ValueError(f"conv_pool: expected as many slots as state_pool, got {conv_pool.shape[0]} and "
+                             f"state_pool {list(state_pool.shape)}")  # fmt: skip
+        if state_indices.device.type == "cpu" and not torch.compiler.is_compiling():
+            S = conv_pool.shape[0]
+            bad = [i for i in state_indices.tolist() if i < -1 or i >= S]  # sync-ok: a CPU tensor, eager only
+            if bad:
+                raise ValueError(f"state_indices: expected slots in [0, {S}) or -1 (padding), got {bad}")
         idx = state_indices.to(device=x.device, dtype=torch.int64)
         q, k, v, f, b, conv_last = self._kda_inputs(x, cu, conv_pool[idx.clamp(min=0)].to(x.dtype),
                                                     packed=cu_seqlens is not None, need_last=True)
@@ -377,7 +443,7 @@ class KimiDeltaAttention(nn.Module):
                 out, conv_last = fast(xt, weight, activation="silu"), None
             q, k, v = out.transpose(1, 2).reshape(B, T, 3, H, K).unbind(2)
         else:
-            conv, conv_last = causal_conv(qkv.reshape(B * T, -1), weight, cu, conv0)
+            conv, conv_last = causal_conv(qkv.reshape(B * T, qkv.shape[-1]), weight, cu, conv0)
             q, k, v = F.silu(conv).view(B, T, 3, H, K).unbind(2)
         f = self.forget_gate(x).view(B, T, H, K)
         return q, k, v, f, self.b_proj(x).float(), conv_last
@@ -414,7 +480,9 @@ def _offsets(x: Tensor, cu_seqlens: Tensor | None) -> Tensor:
     (packed rows, B = 1) or one sequence per batch row."""
     B, T = x.shape[0], x.shape[1]
     if cu_seqlens is None:
-        return torch.arange(0, (B + 1) * T, T, device=x.device, dtype=torch.int64)
+        return torch.arange(B + 1, device=x.device, dtype=torch.int64) * T
+    if not isinstance(cu_seqlens, Tensor):
+        raise TypeError(f"cu_seqlens: expected a torch.Tensor, got {type(cu_seqlens).__name__}")
     if B != 1:
         raise ValueError(f"cu_seqlens: packed rows need B = 1, got B = {B}")
     return cu_seqlens.to(device=x.device, dtype=torch.int64)
