@@ -170,6 +170,12 @@ def test_distributed_names_the_bad_argument(tmp_path: Path) -> None:
             distributed.chunk_kda(**x, initial_state=torch.zeros(1, 1, 4, 5))
         with pytest.raises(ValueError, match="cu_seqlens"):
             distributed.chunk_kda(**x, cu_seqlens=torch.tensor([0, 3, 9]))
+        with pytest.raises(ValueError, match="^cu_seqlens: expected a 1-D tensor"):
+            distributed.chunk_kda(**x, cu_seqlens=torch.tensor([[0, 3, 8]]))
+        for bad, name in (({"cu_seqlens": [0, 3, 8]}, "cu_seqlens"), ({"q": x["q"].tolist()}, "q"),
+                          ({"initial_state": torch.zeros(1, 1, 4, 4, dtype=torch.int32)}, "initial_state")):
+            with pytest.raises(TypeError, match=f"^{name}: expected"):
+                distributed.chunk_kda(**{**x, **bad})
         o, _ = distributed.chunk_kda(**x, cu_seqlens=torch.tensor([0, 3, 8]))
         assert torch.allclose(o, kda_ops.chunk_kda(**x, cu_seqlens=torch.tensor([0, 3, 8]))[0])
     finally:
