@@ -104,10 +104,24 @@ def chunk_kda(
         _refuse("cp_context", "context parallelism")
     if chunk_size not in _CHUNK_SIZES:
         raise ValueError(f"chunk_size: expected 32 or 64, got {chunk_size}")
+    # the tuning options: checked as the peer would take them, though they change nothing here
+    api.check_flags(("safe_gate", safe_gate), ("disable_recompute", disable_recompute), ("use_graph", use_graph))
+    if max_num_seqs is not None and (isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int)
+                                     or max_num_seqs < 1):  # fmt: skip
+        raise TypeError(f"max_num_seqs: expected a positive int or None, got {max_num_seqs!r}")
+    for name, cu in (("cu_seqlens", cu_seqlens), ("cu_seqlens_cpu", cu_seqlens_cpu)):
+        if cu is not None and not isinstance(cu, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(cu).__name__}")
+    if cu_seqlens_cpu is not None:
+        if cu_seqlens is None or cu_seqlens_cpu.device.type != "cpu" or cu_seqlens_cpu.shape != cu_seqlens.shape:
+            raise ValueError(f"cu_seqlens_cpu: expected a CPU copy of cu_seqlens (shape "
+                             f"{None if cu_seqlens is None else list(cu_seqlens.shape)}), got shape "
+                             f"{list(cu_seqlens_cpu.shape)} on {cu_seqlens_cpu.device}")  # fmt: skip
     if safe_gate and use_gate_in_kernel:
         if lower_bound is None:
             raise ValueError("lower_bound: expected a float in [-5, 0) with safe_gate and use_gate_in_kernel, got None")
-        if not -5 <= lower_bound < 0:
+        bound = api.check_lower_bound(lower_bound)
+        if not -5 <= bound < 0:
             raise ValueError(f"lower_bound: expected a float in [-5, 0) with safe_gate, got {lower_bound}")
     _check_beta_options(use_beta_sigmoid_in_kernel, allow_neg_eigval)
     if use_graph and cu_seqlens is not None and max_num_seqs is not None and cu_seqlens.shape[0] != max_num_seqs + 1:
