@@ -10,6 +10,7 @@ import pytest
 
 import kda_ops
 from kda_ops import _warmup
+from kda_ops.testing import make_inputs
 from tests.cases import option_inputs
 
 
@@ -38,3 +39,11 @@ def test_warmup_names_an_argument_that_is_not_a_tensor() -> None:
     x = option_inputs("plain", 1, 8, 1, 8, 8, HV=1)
     with pytest.raises(TypeError, match=r"^q: expected a torch.Tensor"):
         kda_ops.warmup(x["q"].tolist(), x["k"], x["v"], x["g"], x["beta"])
+
+
+def test_a_misspelt_option_is_named_on_the_cpu_too() -> None:
+    """warmup is a no-op on the CPU, but it names an option that chunk_kda does not take there too."""
+    x = make_inputs(1, 8, 1, 4, 4)
+    with pytest.raises(TypeError, match=r"^warmup: unexpected keyword arguments \['use_qk_l2norm'\]"):
+        kda_ops.warmup(**x, use_qk_l2norm=True)
+    kda_ops.warmup(**x, use_qk_l2norm_in_kernel=True)

@@ -25,6 +25,7 @@ warm up with the form the captured calls use (``docs/serving.md``).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -61,6 +62,9 @@ def warmup(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kwargs: A
     """
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         check_float(name, x)  # before q.device is read: a clear error for a list, as the public functions give
+    unknown = sorted(set(kwargs) - set(inspect.signature(chunk_kda).parameters))
+    if unknown:  # on every device, so that a misspelt option shows on a CPU machine too
+        raise TypeError(f"warmup: unexpected keyword arguments {unknown} (chunk_kda's options are taken)")
     if q.device.type != "cuda":
         return
     # the serving steps from a scratch pool, one slot per sequence (their options without the state arguments)
