@@ -80,6 +80,7 @@ BAD: dict[str, tuple[Callable[[], dict[str, Any]], type[Exception], str]] = {
     "scale bool": (_case(scale=True), TypeError, "scale"),
     "scale nan": (_case(scale=float("nan")), ValueError, "scale"),
     "scale too large for a float": (_case(scale=10**400), ValueError, "scale"),
+    "scale too large to print": (_case(scale=10**5000), ValueError, "scale"),
     "lower_bound too large for a float": (_case(use_gate_in_kernel=True, lower_bound=-(10**400)), ValueError,
                                           "lower_bound"),  # fmt: skip
     "no query heads": (_case(q=lambda x: x["q"][:, :, :0], k=lambda x: x["k"][:, :, :0]), ValueError, "q"),

@@ -249,6 +249,7 @@ REFUSED: dict[str, tuple[str, dict[str, Any], type[Exception], str]] = {
     "safe_gate not a bool": ("chunk_kda", {"safe_gate": "no"}, TypeError, "safe_gate"),
     "use_graph not a bool": ("chunk_kda", {"use_graph": 3}, TypeError, "use_graph"),
     "max_num_seqs a string": ("chunk_kda", {"max_num_seqs": "x"}, TypeError, "max_num_seqs"),
+    "max_num_seqs 0": ("chunk_kda", {"max_num_seqs": 0}, ValueError, "max_num_seqs"),
     "cu_seqlens a list": ("chunk_kda", {"use_graph": True, "max_num_seqs": 4, "cu_seqlens": [0, 4, 8]}, TypeError,
                           "cu_seqlens"),
     "cu_seqlens_cpu without cu_seqlens": ("chunk_kda", {"cu_seqlens_cpu": torch.tensor([0, 4])}, ValueError,

@@ -310,6 +310,8 @@ BAD_LAYERS = {
     "head_dim over 256": ((HIDDEN, H, 300), {}, ValueError, "head_dim"),
     "size as a string": ((str(HIDDEN), H, K), {}, TypeError, "hidden_size"),
     "one tap": ((HIDDEN, H, K), {"conv_size": 1}, ValueError, "conv_size"),
+    "taps as a string": ((HIDDEN, H, K), {"conv_size": "4"}, TypeError, "conv_size"),
+    "eps as a string": ((HIDDEN, H, K), {"norm_eps": "x"}, TypeError, "norm_eps"),
     "negative eps": ((HIDDEN, H, K), {"norm_eps": -1.0}, ValueError, "norm_eps"),
     "positive bound": ((HIDDEN, H, K), {"lower_bound": 1.0}, ValueError, "lower_bound"),
 }
@@ -335,6 +337,7 @@ def test_bad_calls_are_named() -> None:
         "state_indices ": (lambda: m.forward_pool(x, conv_pool, state_pool, torch.tensor([0.0, 1.0])), TypeError),
         "conv_pool": (lambda: m.forward_pool(x, conv_pool[:3], state_pool, torch.tensor([0, 1])), ValueError),
         "conv_pool ": (lambda: m.forward_pool(x, conv_pool.int(), state_pool, torch.tensor([0, 1])), TypeError),
+        "state_pool": (lambda: m.forward_pool(x, conv_pool, state_pool[0], torch.tensor([0, 1])), ValueError),
     }
     for name, (call, exc) in calls.items():
         with pytest.raises(exc, match=f"^{name.strip()}: expected"):
@@ -348,6 +351,7 @@ def test_empty_inputs_pass_the_state_through() -> None:
     y, s = m(hidden(2, 0), state=KimiState(conv=conv, recurrent=rec))
     assert y.shape == (2, 0, HIDDEN) and s is not None
     assert torch.equal(s.conv, conv) and torch.equal(s.recurrent, rec)
+    assert s.conv is not conv and s.recurrent is not rec  # new tensors, as after any call
     assert m(hidden(0, 5))[0].shape == (0, 5, HIDDEN)
     y, s = m(hidden(1, 0), cu_seqlens=torch.tensor([0, 0, 0]), use_cache=True)
     assert y.shape == (1, 0, HIDDEN) and s is not None and s.recurrent.shape == (2, H, K, K)

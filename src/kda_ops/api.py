@@ -9,7 +9,7 @@ they are not read, and values that break the contract give unspecified (but in-b
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, overload
+from typing import Any, Literal, NoReturn, overload
 
 import torch
 from torch import Tensor
@@ -21,7 +21,7 @@ MAX_HEAD_DIM = 256
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _fail(cls: type[Exception], name: str, expected: str, got: Any) -> None:
+def _fail(cls: type[Exception], name: str, expected: str, got: Any) -> NoReturn:
     raise cls(f"{name}: expected {expected}, got {got}")
 
 
@@ -174,11 +174,11 @@ def _finite_float(name: str, value: object, why: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         _fail(TypeError, name, f"a finite Python float ({why})", type(value).__name__)
     try:
-        f = float(value)  # type: ignore[arg-type]
+        f = float(value)
     except OverflowError:
-        f = math.inf
+        _fail(ValueError, name, f"a finite Python float ({why})", "an int too large for a float")
     if not math.isfinite(f):
-        _fail(ValueError, name, f"a finite Python float ({why})", repr(value) if f == f else "nan")
+        _fail(ValueError, name, f"a finite Python float ({why})", repr(f))
     return f
 
 

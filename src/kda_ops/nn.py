@@ -41,7 +41,9 @@ def _check_sizes(sizes: dict[str, int], head_dims: tuple[str, ...], norm_eps: fl
         top = MAX_HEAD_DIM if name in head_dims else None
         if value < 1 or (top is not None and value > top):
             raise ValueError(f"{name}: expected an int in [1, {top or 'inf'}], got {value}")
-    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not 0 < norm_eps < math.inf:
+    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)):
+        raise TypeError(f"norm_eps: expected a finite float > 0, got {type(norm_eps).__name__}")
+    if not 0 < norm_eps < math.inf:
         raise ValueError(f"norm_eps: expected a finite float > 0, got {norm_eps!r}")
     if lower_bound is not None:
         check_lower_bound(lower_bound)
@@ -193,7 +195,7 @@ def causal_conv(x: Tensor, weight: Tensor, cu: Tensor, conv0: Tensor | None) -> 
     W = weight.shape[1] - 1
     N = cu.shape[0] - 1
     if T == 0:  # no tokens: each sequence's last inputs are those it came with
-        return x * weight[:, W], x.new_zeros(N, C, W) if conv0 is None else conv0.to(x.dtype)
+        return x * weight[:, W], x.new_zeros(N, C, W) if conv0 is None else conv0.to(x.dtype, copy=True)
     t = torch.arange(T, device=x.device)
     seq = (torch.searchsorted(cu, t, right=True) - 1).clamp_(0, max(N - 1, 0))
     start = cu[seq]
@@ -262,8 +264,10 @@ class KimiDeltaAttention(nn.Module):
         recompute_in_backward: bool = False,
     ) -> None:
         check_flags(("recompute_in_backward", recompute_in_backward))
-        _check_sizes({"hidden_size": hidden_size, "num_heads": num_heads, "head_dim": head_dim,
-                      "conv_size": conv_size}, ("head_dim",), norm_eps, lower_bound)  # fmt: skip
+        _check_sizes({"hidden_size": hidden_size, "num_heads": num_heads, "head_dim": head_dim}, ("head_dim",),
+                     norm_eps, lower_bound)  # fmt: skip
+        if isinstance(conv_size, bool) or not isinstance(conv_size, int):
+            raise TypeError(f"conv_size: expected an int >= 2, got {type(conv_size).__name__}")
         if conv_size < 2:  # the convolution's state holds its last conv_size - 1 inputs
             raise ValueError(f"conv_size: expected an int >= 2 (the short convolution's taps), got {conv_size}")
         super().__init__()
@@ -395,9 +399,11 @@ class KimiDeltaAttention(nn.Module):
         if conv_pool.dim() != 3 or tuple(conv_pool.shape[1:]) != (3 * H * K, W):
             raise ValueError(f"conv_pool: expected [S, 3 * H * K, conv_size - 1] = [S, {3 * H * K}, {W}], "
                              f"got {list(conv_pool.shape)}")  # fmt: skip
-        if state_pool.dim() != 4 or conv_pool.shape[0] != state_pool.shape[0]:
-            raise ValueError(f"conv_pool: expected as many slots as state_pool, got {conv_pool.shape[0]} and "
-                             f"state_pool {list(state_pool.shape)}")  # fmt: skip
+        if state_pool.dim() != 4:
+            raise ValueError(f"state_pool: expected a 4-D tensor [S, H, K, V], got {list(state_pool.shape)}")
+        if conv_pool.shape[0] != state_pool.shape[0]:
+            raise ValueError(f"conv_pool: expected as many slots as state_pool ({state_pool.shape[0]}), got "
+                             f"{conv_pool.shape[0]}")  # fmt: skip
         if state_indices.device.type == "cpu" and not torch.compiler.is_compiling():
             S = conv_pool.shape[0]
             bad = [i for i in state_indices.tolist() if i < -1 or i >= S]  # sync-ok: a CPU tensor, eager only
@@ -428,7 +434,7 @@ class KimiDeltaAttention(nn.Module):
         H, K = self.num_heads, self.head_dim
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         weight = self.conv1d.weight[:, 0]
-        fast = conv1d_fn(qkv)
+        fast = conv1d_fn(qkv) if T > 0 else None  # no tokens: the plain path passes the states through
         # causal-conv1d takes a per-sequence state or returns one only for a dense batch, and sequences of packed
         # rows only without either
         if fast is not None and not (packed and (conv0 is not None or need_last)):

@@ -106,9 +106,11 @@ def chunk_kda(
         raise ValueError(f"chunk_size: expected 32 or 64, got {chunk_size}")
     # the tuning options: checked as the peer would take them, though they change nothing here
     api.check_flags(("safe_gate", safe_gate), ("disable_recompute", disable_recompute), ("use_graph", use_graph))
-    if max_num_seqs is not None and (isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int)
-                                     or max_num_seqs < 1):  # fmt: skip
-        raise TypeError(f"max_num_seqs: expected a positive int or None, got {max_num_seqs!r}")
+    if max_num_seqs is not None:
+        if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int):
+            raise TypeError(f"max_num_seqs: expected a positive int or None, got {type(max_num_seqs).__name__}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: expected a positive int or None, got {max_num_seqs}")
     for name, cu in (("cu_seqlens", cu_seqlens), ("cu_seqlens_cpu", cu_seqlens_cpu)):
         if cu is not None and not isinstance(cu, Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(cu).__name__}")
