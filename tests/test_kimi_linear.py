@@ -364,3 +364,30 @@ def test_the_pool_form_runs_without_autograd() -> None:
     conv_pool, state_pool = pools()
     y = m.forward_pool(hidden(2, 3), conv_pool, state_pool, torch.tensor([0, 1]))
     assert not y.requires_grad
+
+
+def test_export_takes_and_returns_the_state() -> None:
+    """torch.export of a prefill that returns the state, then of a decode step from it: KimiState is a pytree node."""
+
+    class Prefill(torch.nn.Module):
+        def __init__(self, m: KimiDeltaAttention) -> None:
+            super().__init__()
+            self.m = m
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, KimiState | None]:
+            return self.m(x, use_cache=True)
+
+    class Step(Prefill):
+        def forward(self, x: torch.Tensor, state: KimiState) -> tuple[torch.Tensor, KimiState | None]:  # type: ignore[override]
+            return self.m(x, state=state)
+
+    m = layer()
+    x, x1 = hidden(2, 7), hidden(2, 1, seed=4)
+    y, s = torch.export.export(Prefill(m), (x,)).module()(x)
+    y_ref, s_ref = m(x, use_cache=True)
+    assert isinstance(s, KimiState) and s_ref is not None
+    assert torch.allclose(y, y_ref) and torch.allclose(s.recurrent, s_ref.recurrent)
+    y1, s1 = torch.export.export(Step(m), (x1, s)).module()(x1, s)
+    y1_ref, s1_ref = m(x1, state=s_ref)
+    assert isinstance(s1, KimiState) and s1_ref is not None
+    assert torch.allclose(y1, y1_ref, atol=1e-6) and torch.allclose(s1.conv, s1_ref.conv)

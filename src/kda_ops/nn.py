@@ -168,6 +168,10 @@ class KimiState:
     recurrent: Tensor
 
 
+# a pytree node, so that torch.export takes and returns it (the layer's state with use_cache)
+torch.export.register_dataclass(KimiState, serialized_type_name="kda_ops.nn.KimiState")
+
+
 class KimiForgetGate(nn.Module):
     """The forget gate's parameters, named as transformers keeps them: the low-rank projection ``f_b_proj(f_a_proj
     (x))`` and ``dt_bias [H * K]``, ``A_log [1, 1, H, 1]``. The gate itself (``-exp(A_log) * softplus(f +
