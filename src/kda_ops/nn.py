@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.fx._pytree
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -168,8 +169,10 @@ class KimiState:
     recurrent: Tensor
 
 
-# a pytree node, so that torch.export takes and returns it (the layer's state with use_cache)
+# a pytree node, so that torch.export takes and returns it (the layer's state with use_cache); torch before 2.7 calls
+# an exported program with one as input only with fx's flatten spec too
 torch.export.register_dataclass(KimiState, serialized_type_name="kda_ops.nn.KimiState")
+torch.fx._pytree.register_pytree_flatten_spec(KimiState, lambda state, spec: [state.conv, state.recurrent])
 
 
 class KimiForgetGate(nn.Module):
