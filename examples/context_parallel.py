@@ -66,6 +66,9 @@ def main() -> None:
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     if rank == 0:
         print(f"{world} ranks, {T} tokens: largest relative error against one process {worst.item():.1e}")
+    # every rank done before any tears its connections down: a gloo peer that closes them while another is still
+    # reading can abort that one's process
+    dist.barrier()
     dist.destroy_process_group()
 
 
