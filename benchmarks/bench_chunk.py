@@ -330,7 +330,8 @@ def accuracy_and_breakdown(fla_fn: Callable[..., Any] | None, quick: bool) -> tu
     return acc, ["", "Breakdown (GPU ms, each part alone):", "", *breakdown(*SHAPES[0])]
 
 
-def plot(rows: list[dict[str, Any]], path: Path, title: str, x: str = "T") -> None:
+def plot(rows: list[dict[str, Any]], path: Path, title: str, x: str = "T",
+         ylabel: str = "forward, ms (median)") -> None:  # fmt: skip
     """Time against ``x`` (``"T"``: the T sweep; ``"H"``: the B·H sweep) on log axes; the peer's, SDPA's and the
     floor's lines where every row has them."""
     import matplotlib
@@ -353,7 +354,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str, x: str = "T") -> No
         ax.set_xlabel(f"T (B = {SWEEP_TOKENS} / T, H = {SWEEP_H}, K = V = {D}, bf16)")
     else:
         ax.set_xlabel(f"B·H (B = 1, T = {BH_SWEEP_T}, K = V = {D}, bf16)")
-    ax.set_ylabel("forward, ms (median)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()

@@ -36,7 +36,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _bench  # noqa: E402
-from bench_chunk import BH_SWEEP_H, BH_SWEEP_T, DEV, ROOT, SHAPES, inputs, load_fla  # noqa: E402
+from bench_chunk import BH_SWEEP_H, BH_SWEEP_T, DEV, ROOT, SHAPES, inputs, load_fla, plot  # noqa: E402
 
 import kda_ops  # noqa: E402
 from kda_ops import reference  # noqa: E402
@@ -216,20 +216,8 @@ def main() -> None:
         bh = sorted((r for r in rows if (r["B"], r["T"], r["H"]) in swept and r["graph"] == args.graph),
                     key=lambda r: r["H"])  # fmt: skip
         if bh:
-            fig, ax = plt.subplots(figsize=(7, 4.5))
-            for key, name, mark in (("ours_ms", "kda_ops", "o-"), ("fla_ms", "fla-core 0.6.0", "s-"),
-                                    ("sdpa_ms", "SDPA (causal)", "^-")):  # fmt: skip
-                if all(r[key] is not None for r in bh):
-                    ax.plot([r["H"] for r in bh], [r[key] for r in bh], mark, label=name)
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel(f"B·H (B = 1, T = {BH_SWEEP_T}, K = V = 128, bf16)")
-            ax.set_ylabel("forward + backward, ms (median)")
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend()
-            fig.tight_layout()
-            fig.savefig(out / "bench_chunk_bwd_bh.png", dpi=130)
-            plt.close(fig)
+            plot(bh, out / "bench_chunk_bwd_bh.png", f"Chunkwise KDA forward + backward by heads, "
+                 f"{torch.cuda.get_device_name()}", x="H", ylabel="forward + backward, ms (median)")  # fmt: skip
     except ImportError:
         print("matplotlib missing: no plot")
     print(md)

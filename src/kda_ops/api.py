@@ -33,6 +33,30 @@ def check_float(name: str, x: Tensor) -> None:
         _fail(TypeError, name, "a floating-point tensor (float16, bfloat16, float32 or float64)", x.dtype)
 
 
+def check_indices(name: str, x: object) -> None:
+    """An int32 or int64 torch.Tensor, or a TypeError naming the argument."""
+    if not isinstance(x, Tensor):
+        _fail(TypeError, name, "a torch.Tensor", type(x).__name__)
+    if x.dtype not in (torch.int32, torch.int64):
+        _fail(TypeError, name, "an int32 or int64 tensor", x.dtype)
+
+
+def check_cu_seqlens_form(cu_seqlens: Tensor) -> None:
+    """``cu_seqlens``' type and shape (its values need the length of the row: :func:`_check_cu_seqlens_values`)."""
+    check_indices("cu_seqlens", cu_seqlens)
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        _fail(ValueError, "cu_seqlens", "a 1-D tensor [N + 1] with N >= 1", f"shape {list(cu_seqlens.shape)}")
+
+
+def check_slot_range(state_indices: Tensor, S: int) -> None:
+    """Slots in ``[0, S)`` or -1 (padding), read from ``state_indices`` (a CPU tensor, or any in the checked mode:
+    the caller decides, as reading a device tensor synchronises)."""
+    idx = state_indices.flatten().tolist()  # sync-ok: a CPU tensor in eager mode, or the checked mode
+    if any(i < -1 or i >= S for i in idx):
+        _fail(ValueError, "state_indices", f"slots in [0, {S}) or -1 (padding)",
+              state_indices.tolist())  # fmt: skip  # sync-ok: as above
+
+
 def check_flags(*flags: tuple[str, object]) -> None:
     """Each ``(name, value)`` a bool, or a TypeError naming it (a string or a tensor would be truthy by accident)."""
     for name, value in flags:
@@ -119,12 +143,7 @@ def _validate(
 
     N = B
     if cu_seqlens is not None:
-        if not isinstance(cu_seqlens, Tensor):
-            _fail(TypeError, "cu_seqlens", "a torch.Tensor", type(cu_seqlens).__name__)
-        if cu_seqlens.dtype not in (torch.int32, torch.int64):
-            _fail(TypeError, "cu_seqlens", "an int32 or int64 tensor", cu_seqlens.dtype)
-        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
-            _fail(ValueError, "cu_seqlens", "a 1-D tensor [N + 1] with N >= 1", f"shape {list(cu_seqlens.shape)}")
+        check_cu_seqlens_form(cu_seqlens)
         if B != 1:
             _fail(ValueError, "cu_seqlens", "batch size B = 1 (sequences are packed along T)", f"B = {B}")
         N = cu_seqlens.shape[0] - 1
@@ -407,10 +426,7 @@ def _validate_pool(
     if not state_pool.is_contiguous():
         _fail(ValueError, "state_pool", "a contiguous tensor (it is updated in place; a copy would not be)", "strides "
               f"{state_pool.stride()}")  # fmt: skip
-    if not isinstance(state_indices, Tensor):
-        _fail(TypeError, "state_indices", "a torch.Tensor", type(state_indices).__name__)
-    if state_indices.dtype not in (torch.int32, torch.int64):
-        _fail(TypeError, "state_indices", "an int32 or int64 tensor", state_indices.dtype)
+    check_indices("state_indices", state_indices)
     if state_indices.dim() == 2 and per_token:
         if state_indices.shape[0] != N or state_indices.shape[1] == 0:
             _fail(ValueError, "state_indices", f"[N] or [N, T_spec] with N = {N} and T_spec >= 1",
@@ -423,10 +439,7 @@ def _validate_pool(
         _check_shape("state_indices", state_indices, (N,), what)
     tensors = [("state_pool", state_pool), ("state_indices", state_indices)]
     if num_accepted_tokens is not None:
-        if not isinstance(num_accepted_tokens, Tensor):
-            _fail(TypeError, "num_accepted_tokens", "a torch.Tensor", type(num_accepted_tokens).__name__)
-        if num_accepted_tokens.dtype not in (torch.int32, torch.int64):
-            _fail(TypeError, "num_accepted_tokens", "an int32 or int64 tensor", num_accepted_tokens.dtype)
+        check_indices("num_accepted_tokens", num_accepted_tokens)
         if state_indices.dim() != 2:
             _fail(ValueError, "num_accepted_tokens", "None unless state_indices is [N, T_spec]", "a tensor")
         _check_shape("num_accepted_tokens", num_accepted_tokens, (N,), "[N] (accepted tokens per sequence)")
@@ -436,11 +449,8 @@ def _validate_pool(
             _fail(ValueError, name, f"a tensor on q's device {q.device}", x.device)
     on_cpu = state_indices.device.type == "cpu" and not torch.compiler.is_compiling()
     if on_cpu or checks.active(state_indices):
+        check_slot_range(state_indices, state_pool.shape[0])
         idx = state_indices.flatten().tolist()  # sync-ok: a CPU tensor in eager mode, or the checked mode
-        S = state_pool.shape[0]
-        if any(i < -1 or i >= S for i in idx):
-            _fail(ValueError, "state_indices", f"slots in [0, {S}) or -1 (padding)",
-                  state_indices.tolist())  # sync-ok: as above
         used = [i for i in idx if i >= 0]
         if len(set(used)) != len(used):
             _fail(ValueError, "state_indices", "distinct slots (two writes cannot share one state)",
@@ -627,10 +637,7 @@ def _checkpoints(
         if every is not None:
             _fail(ValueError, "checkpoint_every", "None without checkpoint_indices", every)
         return 0
-    if not isinstance(idx, Tensor):
-        _fail(TypeError, "checkpoint_indices", "a torch.Tensor", type(idx).__name__)
-    if idx.dtype not in (torch.int32, torch.int64):
-        _fail(TypeError, "checkpoint_indices", "an int32 or int64 tensor", idx.dtype)
+    check_indices("checkpoint_indices", idx)
     N = state_indices.shape[0]
     if idx.dim() != 2 or idx.shape[0] != N:
         _fail(ValueError, "checkpoint_indices", f"[N, C] with N = {N}", list(idx.shape))

@@ -24,7 +24,15 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 from torch import Tensor
 
-from kda_ops.api import MAX_HEAD_DIM, _check_cu_seqlens_values, _check_shape, _layout, check_flags, check_float
+from kda_ops.api import (
+    MAX_HEAD_DIM,
+    _check_cu_seqlens_values,
+    _check_shape,
+    _layout,
+    check_cu_seqlens_form,
+    check_flags,
+    check_float,
+)
 from kda_ops.api import chunk_kda as _chunk_kda
 from kda_ops.common import state_dtype, state_shape, transposed
 from kda_ops.reference.segments import segment_states
@@ -99,13 +107,7 @@ def chunk_kda(
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if cu_seqlens is not None:  # its type and shape here, its values on the whole row below
-        if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise TypeError("cu_seqlens: expected an int32 or int64 torch.Tensor, got "
-                            + (str(cu_seqlens.dtype) if isinstance(cu_seqlens, Tensor)
-                               else type(cu_seqlens).__name__))  # fmt: skip
-        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
-            raise ValueError(f"cu_seqlens: expected a 1-D tensor [N + 1] with N >= 1, got shape "
-                             f"{list(cu_seqlens.shape)}")  # fmt: skip
+        check_cu_seqlens_form(cu_seqlens)
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if initial_state is not None:
         check_float("initial_state", initial_state)

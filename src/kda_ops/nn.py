@@ -20,10 +20,14 @@ import torch.fx._pytree
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kda_ops import checks
 from kda_ops.api import (
     MAX_HEAD_DIM,
     check_flags,
+    check_float,
+    check_indices,
     check_lower_bound,
+    check_slot_range,
     chunk_kda,
     chunk_kda_update_,
     kda_gate,
@@ -50,11 +54,9 @@ def _check_sizes(sizes: dict[str, int], head_dims: tuple[str, ...], norm_eps: fl
         check_lower_bound(lower_bound)
 
 
-def _check_hidden(name: str, x: object, hidden_size: int) -> Tensor:
+def _check_hidden(name: str, x: Tensor, hidden_size: int) -> Tensor:
     """``x``: a floating-point ``[B, T, hidden_size]`` tensor, or an error naming it."""
-    if not isinstance(x, Tensor) or not x.is_floating_point():
-        raise TypeError(f"{name}: expected a floating-point torch.Tensor, got {type(x).__name__}"
-                        + (f" of {x.dtype}" if isinstance(x, Tensor) else ""))  # fmt: skip
+    check_float(name, x)
     if x.dim() != 3 or x.shape[2] != hidden_size:
         raise ValueError(f"{name}: expected [B, T, hidden_size] with hidden_size = {hidden_size}, got {list(x.shape)}")
     return x
@@ -393,14 +395,9 @@ class KimiDeltaAttention(nn.Module):
         H, K, W = self.num_heads, self.head_dim, self.conv_size - 1
         cu = _offsets(x, cu_seqlens)
         N = cu.shape[0] - 1
-        for name, pool in (("conv_pool", conv_pool), ("state_pool", state_pool)):
-            if not isinstance(pool, Tensor) or not pool.is_floating_point():
-                raise TypeError(f"{name}: expected a floating-point torch.Tensor, got {type(pool).__name__}"
-                                + (f" of {pool.dtype}" if isinstance(pool, Tensor) else ""))  # fmt: skip
-        if not isinstance(state_indices, Tensor) or state_indices.dtype not in (torch.int32, torch.int64):
-            raise TypeError("state_indices: expected an int32 or int64 torch.Tensor, got "
-                            + (str(state_indices.dtype) if isinstance(state_indices, Tensor)
-                               else type(state_indices).__name__))  # fmt: skip
+        check_float("conv_pool", conv_pool)
+        check_float("state_pool", state_pool)
+        check_indices("state_indices", state_indices)
         if tuple(state_indices.shape) != (N,):
             raise ValueError(f"state_indices: expected [N] = [{N}], got {list(state_indices.shape)}")
         if conv_pool.dim() != 3 or tuple(conv_pool.shape[1:]) != (3 * H * K, W):
@@ -411,11 +408,9 @@ class KimiDeltaAttention(nn.Module):
         if conv_pool.shape[0] != state_pool.shape[0]:
             raise ValueError(f"conv_pool: expected as many slots as state_pool ({state_pool.shape[0]}), got "
                              f"{conv_pool.shape[0]}")  # fmt: skip
-        if state_indices.device.type == "cpu" and not torch.compiler.is_compiling():
-            S = conv_pool.shape[0]
-            bad = [i for i in state_indices.tolist() if i < -1 or i >= S]  # sync-ok: a CPU tensor, eager only
-            if bad:
-                raise ValueError(f"state_indices: expected slots in [0, {S}) or -1 (padding), got {bad}")
+        # the slots before the convolution's gather from conv_pool (the serving step checks them again, later)
+        if (state_indices.device.type == "cpu" and not torch.compiler.is_compiling()) or checks.active(state_indices):
+            check_slot_range(state_indices, conv_pool.shape[0])
         idx = state_indices.to(device=x.device, dtype=torch.int64)
         q, k, v, f, b, conv_last = self._kda_inputs(x, cu, conv_pool[idx.clamp(min=0)].to(x.dtype),
                                                     packed=cu_seqlens is not None, need_last=True)
@@ -441,7 +436,7 @@ class KimiDeltaAttention(nn.Module):
         H, K = self.num_heads, self.head_dim
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         weight = self.conv1d.weight[:, 0]
-        fast = conv1d_fn(qkv) if T > 0 else None  # no tokens: the plain path passes the states through
+        fast = conv1d_fn(qkv)
         # causal-conv1d takes a per-sequence state or returns one only for a dense batch, and sequences of packed
         # rows only without either
         if fast is not None and not (packed and (conv0 is not None or need_last)):
@@ -480,10 +475,10 @@ def _causal_conv1d() -> Any:
 
 
 def conv1d_fn(x: Tensor) -> Any:
-    """The short convolution's fast path for ``x``: causal-conv1d's function for CUDA tensors in eager mode when
-    it is installed, else None (:func:`causal_conv` then runs; under ``torch.compile`` it traces without a graph
-    break and the compiler fuses it)."""
-    if not x.is_cuda or torch.compiler.is_compiling():
+    """The short convolution's fast path for ``x [B, T, C]``: causal-conv1d's function for CUDA tensors with tokens
+    in eager mode when it is installed, else None (:func:`causal_conv` then runs: it passes the states through when
+    T = 0; under ``torch.compile`` it traces without a graph break and the compiler fuses it)."""
+    if not x.is_cuda or torch.compiler.is_compiling() or x.shape[1] == 0:
         return None
     return _causal_conv1d()
 

@@ -111,10 +111,10 @@ def chunk_kda(
             raise TypeError(f"max_num_seqs: expected a positive int or None, got {type(max_num_seqs).__name__}")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: expected a positive int or None, got {max_num_seqs}")
-    for name, cu in (("cu_seqlens", cu_seqlens), ("cu_seqlens_cpu", cu_seqlens_cpu)):
-        if cu is not None and not isinstance(cu, Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(cu).__name__}")
+    if cu_seqlens is not None:
+        api.check_cu_seqlens_form(cu_seqlens)
     if cu_seqlens_cpu is not None:
+        api.check_indices("cu_seqlens_cpu", cu_seqlens_cpu)
         if cu_seqlens is None or cu_seqlens_cpu.device.type != "cpu" or cu_seqlens_cpu.shape != cu_seqlens.shape:
             raise ValueError(f"cu_seqlens_cpu: expected a CPU copy of cu_seqlens (shape "
                              f"{None if cu_seqlens is None else list(cu_seqlens.shape)}), got shape "
