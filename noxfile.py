@@ -210,14 +210,14 @@ def sanitize(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks in the machine's own Python.
 
-    ``nox -s bench`` runs benchmarks/bench_recurrent.py, bench_chunk.py, bench_chunk_bwd.py, bench_prefill.py and
-    bench_serving.py; ``nox -s bench -- chunk`` only the second; arguments after a second ``--`` go to every script:
+    ``nox -s bench`` runs benchmarks/bench_recurrent.py, bench_chunk.py, bench_chunk_bwd.py, bench_prefill.py,
+    bench_serving.py, bench_distributed.py and bench_kimi.py; ``nox -s bench -- chunk`` only the second; arguments after a second ``--`` go to every script:
     ``nox -s bench -- chunk -- --quick``.
     """
     args = list(session.posargs)
     cut = args.index("--") if "--" in args else len(args)
     names, script_args = args[:cut], args[cut + 1 :]
-    names = names or ["recurrent", "chunk", "chunk_bwd", "prefill", "serving"]
+    names = names or ["recurrent", "chunk", "chunk_bwd", "prefill", "serving", "distributed", "kimi"]
     scripts = [ROOT / "benchmarks" / (n if n.endswith(".py") else f"bench_{n}.py") for n in names]
     found = [s for s in scripts if s.exists()]
     if len(found) != len(scripts) and args[:cut]:

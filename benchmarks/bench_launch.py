@@ -74,6 +74,12 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     return int(parts[0]), int(parts[1]), int(parts[2])
 
 
+def sort_arguments(variants: Sequence[str], shapes: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Variants given after ``--shapes`` (which takes every word up to the next option) moved back to the variants:
+    a variant names a stage (``STAGE:...``), a shape never holds a colon."""
+    return [*variants, *(s for s in shapes if ":" in s)], [s for s in shapes if ":" not in s]
+
+
 @contextlib.contextmanager
 def launched(variant: dict[str, dict[str, int]]) -> Iterator[None]:
     """The launch table with ``variant``'s entries changed (and its forms forced), restored on exit."""
@@ -127,8 +133,9 @@ def main() -> None:
     ap.add_argument("--skip-fla", action="store_true", help="accepted for the common flags (no peer is timed)")
     args = ap.parse_args()
     try:
-        variants = {"as configured": {}, **{text: parse_variant(text) for text in args.variants}}
-        shapes = [parse_shape(text) for text in args.shapes]
+        texts, shape_texts = sort_arguments(args.variants, args.shapes)
+        variants = {"as configured": {}, **{text: parse_variant(text) for text in texts}}
+        shapes = [parse_shape(text) for text in shape_texts]
     except ValueError as e:
         ap.error(str(e))
     if not torch.cuda.is_available():

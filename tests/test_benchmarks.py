@@ -68,3 +68,12 @@ def test_launch_variants_parse_and_restore_the_table() -> None:
     assert bench_launch.parse_shape("1,32768,32") == (1, 32768, 32)
     with pytest.raises(ValueError, match="--shapes"):
         bench_launch.parse_shape("1,32768")
+
+
+def test_launch_variants_after_the_shapes_are_variants() -> None:
+    """``bench_launch.py --shapes 1,1024,32 forms:scan_segments=4``: the variant after the shapes is a variant."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_launch
+
+    got = bench_launch.sort_arguments(["prepare:BK=16"], ["1,1024,32", "forms:scan_segments=4", "8,4096,32"])
+    assert got == (["prepare:BK=16", "forms:scan_segments=4"], ["1,1024,32", "8,4096,32"])

@@ -50,6 +50,22 @@ def test_stage_dqk(gates: str, device: torch.device) -> None:
         assert_rel(a, b, tol, name)
 
 
+@pytest.mark.parametrize("blocks", [False, True], ids=["anchored", "blocks"])
+def test_stage_dqk_split_products(blocks: bool, device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 2xTF32 form of fp16 inputs (``prec="tf32x2"``: ``dMqk``, ``dMkk`` the exact first operands, the scale and
+    beta moved out of them) against the float64 oracle, in both passes (the anchored span below 0 flags every chunk
+    for the block pass): the same gradients as the exact products, to the second half of the split's rounding on
+    CUDA."""
+    c = _dqk_case("normal", device, K=40)
+    if blocks:
+        monkeypatch.setattr(dqk, "ANCHOR_SPAN", -1.0)
+    with poison_outputs():
+        got = dqk.chunk_bwd_dqk(*f32(c, *NAMES), 0.4, c["slots"], "tf32x2", prec_state="ieee")
+    ref = oracle_dqk(*(c[n] for n in NAMES), 0.4, c["slots"], BT)
+    for name, a, b in zip(("dq", "dk", "dg", "dbeta"), got, ref):
+        assert_rel(a, b, 1e-5 if device.type == "cpu" else 1e-4, name)
+
+
 @pytest.mark.slow
 def test_stage_dqk_block_pass_equals_anchored_pass(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the anchored span below 0 the first pass flags every chunk and the block pass computes them all: the

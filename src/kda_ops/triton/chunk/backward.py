@@ -35,22 +35,29 @@ from kda_ops.triton.launch import contiguous, flat, interpreting
 from kda_ops.varlen import flat_cu_seqlens
 
 
-def product_precisions(dtype: torch.dtype) -> tuple[str, str]:
-    """``(PREC, PREC_T)`` of the gradient kernels (the reverse scan's included): the products, and the two through
-    the inverse ``Tm``.
+def product_precisions(dtype: torch.dtype) -> tuple[str, str, str]:
+    """``(PREC, PREC_T, PREC_DQK)`` of the gradient kernels: the products of the reverse scan and the dv stage, the
+    two through the inverse ``Tm``, and the dq/dk stage's.
 
     fp64 exact; fp32 3xTF32 (~2e-7 a product); 16-bit tf32 (~3e-4 a product, within the 8e-3 budget of the
-    gradients), 3xTF32 through the inverse (the error hot spot). The interpreter computes all in exact fp32.
+    gradients), 3xTF32 through the inverse (the error hot spot). fp16 takes 2xTF32 (:func:`~kda_ops.triton.lang.mm`)
+    in the dq/dk stage's products through ``dMqk``, ``dMkk``: they form dg, which the gate's gradients (dA_log,
+    dt_bias) sum over many tokens with cancellation, and fp16 inputs carry three more bits than bf16 for TF32's
+    rounding of the decayed factors to lose. A packed fp16 row with an in-kernel gate had dt_bias's gradient at
+    7.6e-3 against float64 on the H200 (dg 4.1e-3); under the interpreter with TF32's truncation of fp32 operands
+    emulated (7.0e-3 and 4.2e-3 there) the split takes them to 5.8e-4 and 6.3e-4. 3xTF32 there spills over 1 KB
+    per thread (ptxas, sm_90). The stage's products with the states take fp16 operands, which TF32 holds exactly.
+    The interpreter computes all in exact fp32.
     No product rounds its operands to bf16 (only operands already stored in bf16 take bf16 products, exactly):
     in the reverse scan the state gradient grows without decay under zero gates and its rounding takes gradients
     over the GPU tests' bounds, and bf16 products in every gradient kernel put dg at B1 T1000 H32 bf16 at 5.50e-3
     against 1.83e-3 with TF32.
     """
     if dtype == torch.float64 or interpreting():
-        return "ieee", "ieee"
+        return "ieee", "ieee", "ieee"
     if dtype == torch.float32:
-        return "tf32x3", "tf32x3"
-    return "tf32", "tf32x3"
+        return "tf32x3", "tf32x3", "tf32x3"
+    return "tf32", "tf32x3", "tf32x2" if dtype == torch.float16 else "tf32"
 
 
 # (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)
@@ -141,7 +148,7 @@ def _gradients(
         slots = slot_map(cu_seqlens, B, T, v.device)
         cu = slots.cu
         h0 = None if initial_state is None else contiguous(initial_state.to(dt))
-        prec, prec_t = product_precisions(v.dtype)
+        prec, prec_t, prec_dqk = product_precisions(v.dtype)
         rp = recompute_precision(v.dtype)
         if saved is None:
             fw = chunk_bwd_recompute(
@@ -154,6 +161,8 @@ def _gradients(
         # dS', dMqk, dMkk, dKt through memory in the factors' storage dtype (bf16 for bf16 inputs): each is written
         # once and read once, never carried (the reverse scan, the dv stage)
         store = rp.store
+        if prec_dqk == "tf32x2" and store not in (torch.float16, torch.bfloat16):
+            prec_dqk = "tf32x3"  # its first operands, dMqk and dMkk, exact in TF32 only when stored in 16 bits
         dE, dSp, dh0_ = chunk_bwd_scan(
             dO=dO, Mqk=fw.Mqk, Qt=fw.Qt, Kend=fw.Kend, W=fw.W, Gl=fw.Gl, dht=dht_c, cu=cu, prec=prec,
             store_dh0=initial_state is not None, offsets=slots.offset, dsp_dtype=store,
@@ -172,7 +181,7 @@ def _gradients(
         del Tm, dE
         dq_v, dk_v, zg, zb = chunk_bwd_dqk(
             q=qp, k=kp, Gam=Gam, Gl=Gl, beta=bp, dMqk=dMqk, dMkk=dMkk, dKt=dKt, Hin=Hin, E=E, dSp=dSp, dO=dO,
-            dbeta_partial=dbeta_p, scale=scale, slots=slots, prec=prec, norms=norms,
+            dbeta_partial=dbeta_p, scale=scale, slots=slots, prec=prec_dqk, norms=norms, prec_state=prec,
         )  # fmt: skip
         dh0 = dh0_ if dh0_ is not None else dSp.new_empty(0)
         del Hin, E, dSp, dMqk, dMkk, dKt, Gam

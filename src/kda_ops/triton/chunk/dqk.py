@@ -89,7 +89,7 @@ def pairwise_bwd(q, k, Nq, Nk, Gam, beta, dMqk, dMkk, tok0, count, i_h, i_hv, H,
             cJ = J * BC + r
             tJ = tok0 + cJ
             mJ = cJ < count
-            Xq = load2(dMqk + i_hv * BT, tI, mI, HV * BT, cJ, m_bc, DT) * scale  # [BC, BC]
+            Xq = load2(dMqk + i_hv * BT, tI, mI, HV * BT, cJ, m_bc, DT)  # [BC, BC]
             Xk = load2(dMkk + i_hv * BT, tI, mI, HV * BT, cJ, m_bc, DT)
             kJ = load2n(k + i_h * K, Nk, tJ, mJ, H * K, o_k, m_k, i_h, H, DT, NORMS)
             GJ = load2(Gam + i_hv * K, tJ, mJ, HV * K, o_k, m_k, DT)
@@ -101,10 +101,12 @@ def pairwise_bwd(q, k, Nq, Nk, Gam, beta, dMqk, dMkk, tok0, count, i_h, i_hv, H,
                 eJ = tl.exp(tl.minimum(Gn[None, :] - GJ, 0.0))  # [BC, BK] <= 1
                 eI = tl.exp(tl.minimum(GI - Gn[None, :], 0.0))
                 kJe = kJ * eJ
-                daq += mm(Xq, kJe, PREC, DT) * eI
+                # the stored dMqk, dMkk as the products' first operands, scale and beta applied outside them
+                # (exact operands for "tf32x2")
+                daq += mm(Xq, kJe, PREC, DT) * (eI * scale)
                 dak += mm(Xk, kJe, PREC, DT) * eI
-                dbJ = mm(tl.trans(Xq), qI * eI, PREC, DT) * eJ
-                dbJ += mm(tl.trans(Xk * bI[:, None]), kI * eI, PREC, DT) * eJ
+                dbJ = mm(tl.trans(Xq), qI * eI, PREC, DT) * (eJ * scale)
+                dbJ += mm(tl.trans(Xk), (kI * eI) * bI[:, None], PREC, DT) * eJ
             else:
                 # the diagonal block, exactly, one column j at a time: [BC, BK] temporaries instead of
                 # [BC, BC, BK] ones (those spill kilobytes of registers per thread on sm_90)
@@ -144,12 +146,20 @@ def anchored_bwd(qq, kk, G, Gmid, dMqk, dMkk, beta, tok, m, i_hv, HV, scale, BT:
     R = tl.exp(tl.minimum(E, SPAN))
     kR = kk * tl.exp(tl.minimum(-E, SPAN))
     b = tl.load(beta + tok * HV + i_hv, mask=m, other=0.0).to(DT)
-    Xq = load2(dMqk + i_hv * BT, tok, m, HV * BT, cols, m_c, DT) * scale
-    daq = mm(Xq, kR, PREC, DT) * R
-    dbk = mm(tl.trans(Xq), qq * R, PREC, DT)
-    Xk = load2(dMkk + i_hv * BT, tok, m, HV * BT, cols, m_c, DT)
-    dak = mm(Xk, kR, PREC, DT) * R
-    dbk += mm(tl.trans(Xk * b[:, None]), kk * R, PREC, DT)
+    if PREC == "tf32x2":  # the stored dMqk, dMkk as the products' exact first operands, scale and beta moved out
+        Xq = load2(dMqk + i_hv * BT, tok, m, HV * BT, cols, m_c, DT)
+        daq = mm(Xq, kR, PREC, DT) * (R * scale)
+        dbk = mm(tl.trans(Xq), qq * R, PREC, DT) * scale
+        Xk = load2(dMkk + i_hv * BT, tok, m, HV * BT, cols, m_c, DT)
+        dak = mm(Xk, kR, PREC, DT) * R
+        dbk += mm(tl.trans(Xk), (kk * R) * b[:, None], PREC, DT)
+    else:
+        Xq = load2(dMqk + i_hv * BT, tok, m, HV * BT, cols, m_c, DT) * scale
+        daq = mm(Xq, kR, PREC, DT) * R
+        dbk = mm(tl.trans(Xq), qq * R, PREC, DT)
+        Xk = load2(dMkk + i_hv * BT, tok, m, HV * BT, cols, m_c, DT)
+        dak = mm(Xk, kR, PREC, DT) * R
+        dbk += mm(tl.trans(Xk * b[:, None]), kk * R, PREC, DT)
     return daq, b[:, None] * dak, dbk * tl.exp(tl.minimum(-E, SPAN)), tl.sum(kk * dak, axis=1)
 
 
@@ -281,6 +291,7 @@ def chunk_bwd_dqk(
     slots: SlotRows,
     prec: str,
     norms: Tensor | None = None,
+    prec_state: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dg [T, HV, K], dbeta [T, HV])`` per value head, in the compute dtype (``Gl``'s).
 
@@ -301,14 +312,15 @@ def chunk_bwd_dqk(
     flag = q.new_empty(NC, HV, dtype=torch.int8)
     poison(dq, dk, dg, dbeta)
     nq, nk = (None, None) if norms is None else (norms[0], norms[1])
+    ps = prec if prec_state is None else prec_state
     for blocks in (False, True):
         chunk_bwd_dqk_kernel[(NC, HV)](
             contiguous(q), contiguous(k), nq, nk, Gam, Gl, contiguous(beta), dMqk, dMkk, dKt, Hin, contiguous(E),
             dSp, contiguous(dO), dbeta_partial, dq, dk, dg, dbeta, flag, slots.start, slots.count, float(scale), H, HV,
-            K=K, V=V, NB=NB, BC=BC, BT=BT, PREC=prec, PREC_OH=exact_bf16(prec, dO, Hin),
-            PREC_ED=exact_bf16(prec, E, dSp), DT=compute_dtype(Gl), ASPAN=ANCHOR_SPAN, BLOCKS=blocks,
+            K=K, V=V, NB=NB, BC=BC, BT=BT, PREC=prec, PREC_OH=exact_bf16(ps, dO, Hin),
+            PREC_ED=exact_bf16(ps, E, dSp), DT=compute_dtype(Gl), ASPAN=ANCHOR_SPAN, BLOCKS=blocks,
             NORMS=norms is not None,
-            **launch("dqk_blocks" if blocks else "dqk", BK=K, BV=V),
+            **launch("dqk_blocks" if blocks else "dqk_split" if prec == "tf32x2" else "dqk", BK=K, BV=V),
         )  # fmt: skip
     return dq, dk, dg, dbeta
 
