@@ -9,14 +9,15 @@ pseudo-stage ``forms`` forces the kernel forms of :func:`kda_ops.triton.force_fo
 (the split scan's segments per sequence), ``forms:scan_block_v=32``, ``forms:output_per_item=1``. ``--graph`` times
 each call as a CUDA-graph replay (a short prompt, where an eager call measures the host).
 
-Inputs are ``bench_chunk.py``'s (bf16, K = V = 128, l2norm in kernel, final state out); the backward takes a random
-``do`` (bf16) and ``dht`` (fp32), as ``bench_chunk_bwd.py`` does. Columns: GPU ms (``triton.testing.do_bench``
-median after a compiling call, L2 flushed), and the largest absolute difference of the outputs (with
-``--backward``: of every gradient) from the configured launch's; a variant whose products group their sums
-differently (other warps, another key tile) rounds differently, so a small difference is expected there, 0 elsewhere.
+Inputs are ``bench_chunk.py``'s (bf16, or fp16 with ``--dtype fp16``; K = V = 128, l2norm in kernel, final state
+out); the backward takes a random ``do`` (in the inputs' dtype) and ``dht`` (fp32), as ``bench_chunk_bwd.py`` does.
+Columns: GPU ms (``triton.testing.do_bench`` median after a compiling call, L2 flushed), and the largest absolute
+difference of the outputs (with ``--backward``: of every gradient) from the configured launch's; a variant whose
+products group their sums differently (other warps, another key tile) rounds differently, so a small difference is
+expected there, 0 elsewhere.
 
-Usage: ``python benchmarks/bench_launch.py [--shapes B,T,H ...] [--backward] [--graph] [--out DIR] VARIANT ...``;
-the table is printed last and written to ``DIR/bench_launch.md`` when ``--out`` is given.
+Usage: ``python benchmarks/bench_launch.py [--shapes B,T,H ...] [--backward] [--dtype fp16] [--graph] [--out DIR]
+VARIANT ...``; the table is printed last and written to ``DIR/bench_launch.md`` when ``--out`` is given.
 """
 
 from __future__ import annotations
@@ -103,12 +104,15 @@ def max_diff(got: Sequence[torch.Tensor | None], ref: Sequence[torch.Tensor | No
                 if a is not None and b is not None), default=0.0)  # fmt: skip
 
 
-def measure(shape: tuple[int, int, int], backward: bool,
-            graph: bool) -> tuple[Callable[[], list[Any]], Callable[[], float]]:  # fmt: skip
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def measure(shape: tuple[int, int, int], backward: bool, graph: bool,
+            dtype: torch.dtype = torch.bfloat16) -> tuple[Callable[[], list[Any]], Callable[[], float]]:  # fmt: skip
     """The call at ``shape`` (returning the tensors to compare) and its timing (of a CUDA-graph replay with
-    ``graph``)."""
+    ``graph``); ``dtype``: of q, k, v, beta and ``do`` (the gate's log decay stays fp32)."""
     B, T, H = shape
-    x = bench_chunk.inputs(B, T, H)
+    x = {n: t if n == "g" else t.to(dtype) for n, t in bench_chunk.inputs(B, T, H).items()}
     if not backward:
 
         def call() -> list[Any]:
@@ -117,7 +121,7 @@ def measure(shape: tuple[int, int, int], backward: bool,
 
         return call, lambda: bench_chunk.gpu_ms(call, graph)
     gen = torch.Generator(device=bench_chunk.DEV).manual_seed(9)
-    do = torch.randn(x["v"].shape, generator=gen, device=bench_chunk.DEV).bfloat16()
+    do = torch.randn(x["v"].shape, generator=gen, device=bench_chunk.DEV).to(dtype)
     dht = torch.randn(B, H, bench_chunk.D, bench_chunk.D, generator=gen, device=bench_chunk.DEV)
     run = bench_chunk_bwd.fwd_bwd(kda_ops.chunk_kda, x, do, dht)
     return lambda: [g.clone() if g is not None else None for g in run()], lambda: bench_chunk_bwd.timed(run, graph)[0]
@@ -128,6 +132,7 @@ def main() -> None:
     ap.add_argument("variants", nargs="*", help="STAGE:KEY=VALUE[,KEY=VALUE...][+STAGE:...]")
     ap.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES, help="B,T,H of each shape")
     ap.add_argument("--backward", action="store_true", help="time forward + backward and compare the gradients")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="of q, k, v, beta (and do)")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (short prompts)")
     ap.add_argument("--out", type=Path, default=None, help="also write the table to DIR/bench_launch.md")
     ap.add_argument("--skip-fla", action="store_true", help="accepted for the common flags (no peer is timed)")
@@ -144,7 +149,7 @@ def main() -> None:
     head = ["launch", *(f"B{B} T{T} H{H} ms" for B, T, H in shapes), "max diff"]
     lines = [
         f"{what.capitalize()} by launch, {datetime.date.today().isoformat()}, {torch.cuda.get_device_name()}, torch "
-        f"{torch.__version__}, triton {triton.__version__} (bf16, K = V = {bench_chunk.D})",
+        f"{torch.__version__}, triton {triton.__version__} ({args.dtype}, K = V = {bench_chunk.D})",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
@@ -152,7 +157,7 @@ def main() -> None:
     results: dict[str, list[str]] = {name: [] for name in variants}
     diffs: dict[str, float] = dict.fromkeys(variants, 0.0)
     for shape in shapes:
-        call, timing = measure(shape, args.backward, args.graph)
+        call, timing = measure(shape, args.backward, args.graph, DTYPES[args.dtype])
         ref: list[Any] | None = None
         for name, variant in variants.items():
             with launched(variant):
