@@ -16,10 +16,11 @@ bandwidth measured in the same run (a torch copy of a large tensor: bytes read +
 fla is imported from the environment, or from wheels given by ``--wheels`` (default: ``.whl/*.whl`` of the
 repository, e.g. fla_core-0.6.0 and einops), unpacked into a temporary folder at run time.
 
-Usage: ``python benchmarks/bench_recurrent.py [--out FILE] [--sweep [--sweep-pool bf16]] [--backward]
-[--skip-fla]``. The markdown table comes last. ``--sweep`` times the serving step (graph-replayed) for every value
-tile / warp count, the numbers behind the fixed launch configuration in ``kda_ops/triton/launch.py``
-(``recurrent_config``), on an fp32 pool or with ``--sweep-pool bf16`` a bf16 one.
+Usage: ``python benchmarks/bench_recurrent.py [--out FILE] [--sweep [--sweep-pool bf16] [--sweep-v-first]]
+[--backward] [--skip-fla]``. The markdown table comes last. ``--sweep`` times the serving step (graph-replayed) for
+every value tile / warp count, the numbers behind the fixed launch configuration in ``kda_ops/triton/launch.py``
+(``recurrent_config``), on an fp32 pool or with ``--sweep-pool bf16`` a bf16 one, K-first or with ``--sweep-v-first``
+V-first.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def workloads(x: dict[str, Any], fla_fn: Callable[..., Any] | None) -> dict[str,
     qkvgb = {n: x[n] for n in ("q", "k", "v", "g", "beta")}
     out: dict[str, Callable[[], Any]] = {
         "serving": lambda: kda_ops.recurrent_kda_update_(
-            **qkvgb, state_pool=x["pool"], state_indices=x["idx"], use_qk_l2norm_in_kernel=True
+            **qkvgb, state_pool=x["pool"], state_indices=x["idx"], use_qk_l2norm_in_kernel=True,
+            state_v_first=x.get("v_first", False),
         ),
         "recurrent": lambda: kda_ops.recurrent_kda(
             **qkvgb, initial_state=x["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True
@@ -150,9 +152,9 @@ def breakdown(fla_fn: Callable[..., Any] | None) -> list[tuple[str, float]]:
     return out
 
 
-def sweep(batches: tuple[int, ...], pool_dtype: torch.dtype = torch.float32) -> str:
-    """Graph-replayed serving step for each (BV, num_warps) on a pool of ``pool_dtype``: the data behind the fixed
-    launch configuration."""
+def sweep(batches: tuple[int, ...], pool_dtype: torch.dtype = torch.float32, v_first: bool = False) -> str:
+    """Graph-replayed serving step for each (BV, num_warps) on a pool of ``pool_dtype`` (its states ``[V, K]`` with
+    ``v_first``): the data behind the fixed launch configuration."""
     import kda_ops.triton.recurrent.forward as tr
 
     original = tr.recurrent_config
@@ -161,6 +163,7 @@ def sweep(batches: tuple[int, ...], pool_dtype: torch.dtype = torch.float32) -> 
     inputs = {B: decode_inputs(B) for B in batches}
     for x in inputs.values():
         x["pool"] = x["pool"].to(pool_dtype)
+        x["v_first"] = v_first
     try:
         for BV in (16, 32, 64, 128):
             for nw in (1, 2, 4, 8):
@@ -217,6 +220,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time every value tile / warp count")
     parser.add_argument("--sweep-pool", choices=("fp32", "bf16"), default="fp32",
                         help="the state pool's dtype in --sweep (a bf16 pool moves half the bytes a step)")  # fmt: skip
+    parser.add_argument("--sweep-v-first", action="store_true", help="the sweep on a V-first pool ([V, K] states)")
     parser.add_argument("--backward", action="store_true", help="also time forward + backward (B=4, T=512)")
     parser.add_argument("--batches", type=int, nargs="*", default=list(BATCHES))
     parser.add_argument("--skip-fla", action="store_true", help="leave fla out: time kda_ops only")
@@ -263,8 +267,9 @@ def main() -> None:
         extra += ["", backward_timing()]
     if args.sweep:
         pool_dtype = torch.bfloat16 if args.sweep_pool == "bf16" else torch.float32
-        extra += ["", f"Launch configuration sweep (serving step, {args.sweep_pool} pool, CUDA graph, GPU µs):", "",
-                  sweep(tuple(args.batches), pool_dtype)]  # fmt: skip
+        layout = "V-first" if args.sweep_v_first else "K-first"
+        extra += ["", f"Launch configuration sweep (serving step, {args.sweep_pool} {layout} pool, CUDA graph, GPU "
+                  "µs):", "", sweep(tuple(args.batches), pool_dtype, args.sweep_v_first)]  # fmt: skip
     text = "\n".join(header + table + extra) + "\n"
     print(text)
     if args.out is not None:
