@@ -9,6 +9,7 @@ import tempfile
 import time
 import zipfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -113,3 +114,11 @@ def cold_us(fn: Callable[[], Any], reps: int = 200, flush_bytes: int = 2**28) ->
     torch.cuda.synchronize()
     times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
     return times[len(times) // 2] * 1e3
+
+
+def emit(lines: list[str], out: Path | None) -> None:
+    """The markdown ``lines`` printed (last, where a script's table goes) and, with ``out``, written there."""
+    text = "\n".join(lines)
+    if out:
+        out.write_text(text + "\n")
+    print(text)

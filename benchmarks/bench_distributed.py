@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _bench  # noqa: E402
 import bench_chunk  # noqa: E402
 
 
@@ -101,10 +102,7 @@ def main() -> None:
         "",
         f"Largest difference of the two calls' outputs: o {diff_o:.2e}, final state {diff_s:.2e}.",
     ]  # fmt: skip
-    text = "\n".join(table)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
+    _bench.emit(table, args.out)
 
 
 if __name__ == "__main__":

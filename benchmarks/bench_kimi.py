@@ -141,10 +141,7 @@ def main() -> None:
         "",
         f"kda-ops against the unpatched bf16 model: relative logits difference {diff:.2e}.",
     ]
-    text = "\n".join(table)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
+    _bench.emit(table, args.out)
 
 
 if __name__ == "__main__":

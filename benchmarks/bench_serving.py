@@ -124,10 +124,7 @@ def main() -> None:
              f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}; copy "
              f"bandwidth {bandwidth / 1e9:.0f} GB/s.", "",
              "| step | graph µs | floor µs | / floor |", "|---|---|---|---|", *rows]  # fmt: skip
-    text = "\n".join(lines)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
+    _bench.emit(lines, args.out)
 
 
 if __name__ == "__main__":

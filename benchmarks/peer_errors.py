@@ -38,7 +38,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from kda_ops.compat import fla as ours  # noqa: E402
 from kda_ops.reference import naive_recurrent_kda  # noqa: E402
-from kda_ops.testing import rel_err  # noqa: E402
+from kda_ops.testing import gate_reset_row, rel_err  # noqa: E402
 
 DEV = "cuda"
 F16, BF16, F64 = torch.float16, torch.bfloat16, torch.float64
@@ -46,22 +46,8 @@ Case = tuple[dict[str, torch.Tensor], dict[str, Any], bool]  # (leaves, other ke
 
 
 def gate_case(dtype: torch.dtype) -> Case:
-    gen = torch.Generator().manual_seed(0)
-    T, H, D = 1000, 4, 64
-
-    def rnd(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen)
-
-    g = rnd(1, T, H, D)
-    g[torch.rand(g.shape, generator=gen) < 0.9] = -1000.0
-    x = {"q": rnd(1, T, H, D), "k": F.normalize(rnd(1, T, H, D), dim=-1), "v": rnd(1, T, H, D), "g": g,
-         "beta": torch.sigmoid(torch.rand(1, T, H, generator=gen))}  # fmt: skip
-    leaves = {n: t.to(DEV, dtype) for n, t in x.items()}
-    leaves["A_log"] = torch.log(torch.empty(H).uniform_(1, 16, generator=gen)).to(DEV)
-    leaves["dt_bias"] = rnd(H * D).to(DEV)
-    leaves["initial_state"] = rnd(3, H, D, D).to(DEV)
-    cu = torch.tensor([0, 256, 500, 1000], device=DEV, dtype=torch.int32)
-    return leaves, {"use_gate_in_kernel": True, "cu_seqlens": cu, "output_final_state": True}, True
+    leaves, kw = gate_reset_row(4, dtype, DEV)
+    return leaves, kw, True
 
 
 def short_case() -> Case:

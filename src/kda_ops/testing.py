@@ -75,3 +75,27 @@ def make_state(N: int, HV: int, K: int, V: int, *, dtype: torch.dtype = torch.fl
     """A random state ``[N, HV, K, V]`` of modest size."""
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(N, HV, K, V, generator=gen, dtype=torch.float64) * 0.5).to(device, dtype)
+
+
+def gate_reset_row(H: int, dtype: torch.dtype, device: str | torch.device = "cpu",
+                   T: int = 1000, D: int = 64) -> tuple[dict[str, Tensor], dict[str, Any]]:  # fmt: skip
+    """A packed row (``cu_seqlens = [0, 256, 500, 1000]`` at T = 1000) for the gate in the kernel, whose raw inputs
+    are ``randn`` with 90 % of them at -1000 (no decay there): ``(leaves, keywords)`` of ``chunk_kda``, the leaves
+    q, k (l2-normalised), v, g, beta (``sigmoid(rand)``) in ``dtype`` and ``A_log = log U(1, 16)``, ``dt_bias``,
+    ``initial_state`` in fp32. The gate's gradients sum dg over many tokens with cancellation: the case where a
+    coarse product precision shows in dA_log and dt_bias."""
+    gen = torch.Generator().manual_seed(0)
+
+    def rnd(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    g = rnd(1, T, H, D)
+    g[torch.rand(g.shape, generator=gen) < 0.9] = -1000.0
+    x = {"q": rnd(1, T, H, D), "k": F.normalize(rnd(1, T, H, D), dim=-1), "v": rnd(1, T, H, D), "g": g,
+         "beta": torch.sigmoid(torch.rand(1, T, H, generator=gen))}  # fmt: skip
+    leaves = {n: t.to(device, dtype) for n, t in x.items()}
+    leaves["A_log"] = torch.log(torch.empty(H).uniform_(1, 16, generator=gen)).to(device)
+    leaves["dt_bias"] = rnd(H * D).to(device)
+    leaves["initial_state"] = rnd(3, H, D, D).to(device)
+    cu = torch.tensor([0, 256, 500, T], device=device, dtype=torch.int32)
+    return leaves, {"use_gate_in_kernel": True, "cu_seqlens": cu, "output_final_state": True}

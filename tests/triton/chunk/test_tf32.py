@@ -16,14 +16,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytest.importorskip("triton", minversion="3.6")
 interpreter = pytest.importorskip("triton.runtime.interpreter")
 
 import kda_ops  # noqa: E402
 from kda_ops.reference import naive_recurrent_kda  # noqa: E402
-from kda_ops.testing import rel_err  # noqa: E402
+from kda_ops.testing import gate_reset_row, rel_err  # noqa: E402
 from kda_ops.triton.chunk import backward  # noqa: E402
 
 pytestmark = [pytest.mark.interpret, pytest.mark.usefixtures("triton_path")]
@@ -62,25 +61,6 @@ def tf32_as_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
-def _gate_case() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    gen = torch.Generator().manual_seed(0)
-    T, H, D = 1000, 2, 64
-
-    def rnd(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen)
-
-    g = rnd(1, T, H, D)
-    g[torch.rand(g.shape, generator=gen) < 0.9] = -1000.0
-    x = {"q": rnd(1, T, H, D), "k": F.normalize(rnd(1, T, H, D), dim=-1), "v": rnd(1, T, H, D), "g": g,
-         "beta": torch.sigmoid(torch.rand(1, T, H, generator=gen))}  # fmt: skip
-    leaves = {n: t.to(F16) for n, t in x.items()}
-    leaves["A_log"] = torch.log(torch.empty(H).uniform_(1, 16, generator=gen))
-    leaves["dt_bias"] = rnd(H * D)
-    leaves["initial_state"] = rnd(3, H, D, D)
-    cu = torch.tensor([0, 256, 500, 1000], dtype=torch.int32)
-    return leaves, {"use_gate_in_kernel": True, "cu_seqlens": cu, "output_final_state": True}
-
-
 def _grads(fn: Any, leaves: dict[str, torch.Tensor], kw: dict[str, Any]) -> dict[str, torch.Tensor]:
     xs = {n: t.detach().clone().requires_grad_() for n, t in leaves.items()}
     o, s = fn(**xs, **kw)
@@ -95,7 +75,7 @@ def _grads(fn: Any, leaves: dict[str, torch.Tensor], kw: dict[str, Any]) -> dict
 def test_fp16_gate_gradients_within_the_bound() -> None:
     """dg, dA_log and dt_bias of fp16 inputs within 5e-3 of float64 with the GPU's products (dt_bias was at 7.6e-3
     on the H200 with TF32 products in the dq/dk stage; with those this test fails: dt_bias 6.2e-3, A_log 2.4e-2)."""
-    leaves, kw = _gate_case()
+    leaves, kw = gate_reset_row(2, F16)
     ref = _grads(naive_recurrent_kda, {n: t.double() for n, t in leaves.items()}, kw)
     got = _grads(kda_ops.chunk_kda, leaves, kw)
     errs = {n: rel_err(got[n], ref[n]) for n in ("g", "A_log", "dt_bias")}
