@@ -211,8 +211,8 @@ def bench(session: nox.Session) -> None:
     """Benchmarks in the machine's own Python.
 
     ``nox -s bench`` runs benchmarks/bench_recurrent.py, bench_chunk.py, bench_chunk_bwd.py, bench_prefill.py,
-    bench_serving.py, bench_distributed.py and bench_kimi.py; ``nox -s bench -- chunk`` only the second; arguments after a second ``--`` go to every script:
-    ``nox -s bench -- chunk -- --quick``.
+    bench_serving.py, bench_distributed.py and bench_kimi.py; ``nox -s bench -- chunk`` only the second; arguments
+    after a second ``--`` go to every script: ``nox -s bench -- chunk -- --quick``.
     """
     args = list(session.posargs)
     cut = args.index("--") if "--" in args else len(args)
