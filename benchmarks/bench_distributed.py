@@ -30,8 +30,9 @@ import _bench  # noqa: E402
 import bench_chunk  # noqa: E402
 
 
-def timed(fn: Callable[[], Any]) -> tuple[float, float]:
-    """GPU ms (do_bench median) and peak GB above what was allocated before."""
+def timed(fn: Callable[[], Any], grads: list[torch.Tensor] | None = None) -> tuple[float, float]:
+    """GPU ms (do_bench median; ``grads`` reset to None before each repetition) and peak GB above what was
+    allocated before."""
     from triton.testing import do_bench
 
     fn()
@@ -41,7 +42,7 @@ def timed(fn: Callable[[], Any]) -> tuple[float, float]:
     fn()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 1e9
-    return float(do_bench(fn, warmup=5, rep=200, return_mode="median")), peak
+    return float(do_bench(fn, warmup=5, rep=200, grad_to_none=grads, return_mode="median")), peak
 
 
 def main() -> None:
@@ -80,7 +81,7 @@ def main() -> None:
                 o, _ = fn(**xg, **opts)
                 o.backward(do)
 
-            b_ms, b_gb = timed(step)
+            b_ms, b_gb = timed(step, list(xg.values()))
             rows.append((name, f_ms, f_gb, b_ms, b_gb))
             print(rows[-1], file=sys.stderr, flush=True)
         (o1, s1), (o2, s2) = outs.values()

@@ -8,7 +8,7 @@ The model is a small random ``KimiLinearForCausalLM`` in bf16 (two KDA layers ar
   same model in float64 on transformers' PyTorch path, and kda-ops against the unpatched bf16 model;
 - a ``--T``-token forward (no cache, ``do_bench`` median, GPU ms);
 - a ``--decode``-token greedy ``generate()`` after a 16-token prompt (host ms per generated token, eager, the
-  mean of 3 runs after one warm-up).
+  mean of 3 runs after one warm-up; the prompt's prefill included).
 
 fla is imported from the environment, or from ``--wheels`` (default ``.whl/*.whl``) before transformers is, so that
 transformers' kernel lookup finds it; ``--skip-fla`` leaves it out.
@@ -104,6 +104,8 @@ def main() -> None:
 
     bound = tuple(getattr(modeling, n) for n in NAMES)
     torch_path = tuple(inspect.unwrap(f) for f in bound)
+    if any(f.__module__ != modeling.__name__ or f is b for f, b in zip(torch_path, bound, strict=True)):
+        sys.exit("bench_kimi: transformers' own PyTorch KDA functions are not reachable behind its kernel lookup")
     paths: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {"transformers (PyTorch)": torch_path}
     if fla_fn is not None:
         paths["fla kernels"] = bound

@@ -140,7 +140,7 @@ def main() -> None:
     try:
         texts, shape_texts = sort_arguments(args.variants, args.shapes)
         variants = {"as configured": {}, **{text: parse_variant(text) for text in texts}}
-        shapes = [parse_shape(text) for text in shape_texts]
+        shapes = [parse_shape(text) for text in shape_texts or DEFAULT_SHAPES]
     except ValueError as e:
         ap.error(str(e))
     if not torch.cuda.is_available():

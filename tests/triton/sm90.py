@@ -378,7 +378,8 @@ def recurrent_variants() -> dict[str, Variant]:
 # ------------------------------------------------------------------------------------------------- runner
 
 TABLES: dict[str, Callable[[], dict[str, Variant]]] = {
-    "chunk": lambda: {**chunk_variants(), **backward_launches(), **backward_launches(F16, 4, 256, " fp16 K=V=256 H4"),
+    "chunk": lambda: {**chunk_variants(), **backward_launches(), **backward_launches(F16, tag=" fp16"),
+                      **backward_launches(F16, 4, 256, " fp16 K=V=256 H4"),
                       **backward_launches(BF, 4, 256, " bf16 K=V=256 H4"),
                       **backward_launches(BF, 4, 128, " split H4", segments=4)},
     "recurrent": recurrent_variants,

@@ -28,16 +28,17 @@ TF32_MASK = tl.constexpr(-(1 << 13))
 def mm(a, b, PREC: tl.constexpr, DT: tl.constexpr):
     """``a @ b`` (2-D, or 3-D batched) accumulated in ``DT``, operands at precision ``PREC``.
 
-    ``"tf32x2"``: for an ``a`` that TF32 holds exactly (values stored in 16 bits, times powers of two), ``b`` split
-    into its TF32 part and the rest, two TF32 products: ``b``'s rounding drops from ``2^-11`` to ``~2^-21``
-    relative, for two thirds of the products of ``"tf32x3"``, which splits both operands."""
+    ``"tf32x2"``: for an ``a`` that TF32 holds exactly (values stored in 16 bits), ``b`` split into the part TF32
+    keeps and the rest, two TF32 products into one accumulator: ``b``'s rounding drops from ``2^-10`` to ``~2^-20``
+    relative (TF32 cut toward zero), for two thirds of the products of ``"tf32x3"``, which splits both operands.
+    A finite ``b`` only: an infinity's rest is NaN."""
     if PREC == "bf16":
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16)).to(DT)
     elif PREC == "tf32x2":
         bf = b.to(tl.float32)
         hi = (bf.to(tl.int32, bitcast=True) & TF32_MASK).to(tl.float32, bitcast=True)
         af = a.to(tl.float32)
-        return tl.dot(af, hi, input_precision="tf32") + tl.dot(af, bf - hi, input_precision="tf32")
+        return tl.dot(af, hi, tl.dot(af, bf - hi, input_precision="tf32"), input_precision="tf32").to(DT)
     else:
         return tl.dot(a.to(DT), b.to(DT), input_precision=PREC)
 

@@ -147,7 +147,7 @@ LAUNCH: dict[str, dict[str, int]] = {
     # do not spill (ptxas, sm_90): dqk at BV 64 gains 1.4 ms of the B1 T32768 H32 bf16 forward + backward over BV 32.
     "dv": {"num_warps": 4, "num_stages": 1, "BK": 32, "BV": 32},
     "dqk": {"num_warps": 8, "num_stages": 1, "BK": 32, "BV": 64},
-    # the dq/dk stage with 2xTF32 products (fp16 inputs): 152 B of spills per thread at BK 16, 368 at BK 32
+    # the dq/dk stage with 2xTF32 products (fp16 inputs): 152 B of spills per thread at BK 16, 360 at BK 32
     "dqk_split": {"num_warps": 8, "num_stages": 1, "BK": 16, "BV": 64},
     "dqk_blocks": {"num_warps": 4, "num_stages": 1, "BK": 32, "BV": 32},
 }

@@ -41,13 +41,11 @@ def product_precisions(dtype: torch.dtype) -> tuple[str, str, str]:
 
     fp64 exact; fp32 3xTF32 (~2e-7 a product); 16-bit tf32 (~3e-4 a product, within the 8e-3 budget of the
     gradients), 3xTF32 through the inverse (the error hot spot). fp16 takes 2xTF32 (:func:`~kda_ops.triton.lang.mm`)
-    in the dq/dk stage's products through ``dMqk``, ``dMkk``: they form dg, which the gate's gradients (dA_log,
-    dt_bias) sum over many tokens with cancellation, and fp16 inputs carry three more bits than bf16 for TF32's
-    rounding of the decayed factors to lose. A packed fp16 row with an in-kernel gate had dt_bias's gradient at
-    7.6e-3 against float64 on the H200 (dg 4.1e-3); under the interpreter with TF32's truncation of fp32 operands
-    emulated (7.0e-3 and 4.2e-3 there) the split takes them to 5.8e-4 and 6.3e-4. 3xTF32 there spills over 1 KB
-    per thread (ptxas, sm_90). The stage's products with the states take fp16 operands, which TF32 holds exactly.
-    The interpreter computes all in exact fp32.
+    in the dq/dk stage's products through ``dMqk``, ``dMkk``, whose dg the gate's gradients (dA_log, dt_bias) sum
+    over many tokens with cancellation: TF32 there left dt_bias's gradient of a packed fp16 row with an in-kernel gate
+    at 7.6e-3 against float64 on the H200, over the 5e-3 bound (3xTF32 there spills 760 B or more per thread). The
+    stage's products with the states take fp16 operands, which TF32 holds exactly. The interpreter computes all in
+    exact fp32.
     No product rounds its operands to bf16 (only operands already stored in bf16 take bf16 products, exactly):
     in the reverse scan the state gradient grows without decay under zero gates and its rounding takes gradients
     over the GPU tests' bounds, and bf16 products in every gradient kernel put dg at B1 T1000 H32 bf16 at 5.50e-3
@@ -162,7 +160,7 @@ def _gradients(
         # once and read once, never carried (the reverse scan, the dv stage)
         store = rp.store
         if prec_dqk == "tf32x2" and store not in (torch.float16, torch.bfloat16):
-            prec_dqk = "tf32x3"  # its first operands, dMqk and dMkk, exact in TF32 only when stored in 16 bits
+            prec_dqk = prec  # its first operands, dMqk and dMkk, are exact in TF32 only when stored in 16 bits
         dE, dSp, dh0_ = chunk_bwd_scan(
             dO=dO, Mqk=fw.Mqk, Qt=fw.Qt, Kend=fw.Kend, W=fw.W, Gl=fw.Gl, dht=dht_c, cu=cu, prec=prec,
             store_dh0=initial_state is not None, offsets=slots.offset, dsp_dtype=store,

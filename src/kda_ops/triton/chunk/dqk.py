@@ -101,8 +101,7 @@ def pairwise_bwd(q, k, Nq, Nk, Gam, beta, dMqk, dMkk, tok0, count, i_h, i_hv, H,
                 eJ = tl.exp(tl.minimum(Gn[None, :] - GJ, 0.0))  # [BC, BK] <= 1
                 eI = tl.exp(tl.minimum(GI - Gn[None, :], 0.0))
                 kJe = kJ * eJ
-                # the stored dMqk, dMkk as the products' first operands, scale and beta applied outside them
-                # (exact operands for "tf32x2")
+                # dMqk, dMkk as the products' first operands, as in anchored_bwd
                 daq += mm(Xq, kJe, PREC, DT) * (eI * scale)
                 dak += mm(Xk, kJe, PREC, DT) * eI
                 dbJ = mm(tl.trans(Xq), qI * eI, PREC, DT) * (eJ * scale)
@@ -146,20 +145,14 @@ def anchored_bwd(qq, kk, G, Gmid, dMqk, dMkk, beta, tok, m, i_hv, HV, scale, BT:
     R = tl.exp(tl.minimum(E, SPAN))
     kR = kk * tl.exp(tl.minimum(-E, SPAN))
     b = tl.load(beta + tok * HV + i_hv, mask=m, other=0.0).to(DT)
-    if PREC == "tf32x2":  # the stored dMqk, dMkk as the products' exact first operands, scale and beta moved out
-        Xq = load2(dMqk + i_hv * BT, tok, m, HV * BT, cols, m_c, DT)
-        daq = mm(Xq, kR, PREC, DT) * (R * scale)
-        dbk = mm(tl.trans(Xq), qq * R, PREC, DT) * scale
-        Xk = load2(dMkk + i_hv * BT, tok, m, HV * BT, cols, m_c, DT)
-        dak = mm(Xk, kR, PREC, DT) * R
-        dbk += mm(tl.trans(Xk), (kk * R) * b[:, None], PREC, DT)
-    else:
-        Xq = load2(dMqk + i_hv * BT, tok, m, HV * BT, cols, m_c, DT) * scale
-        daq = mm(Xq, kR, PREC, DT) * R
-        dbk = mm(tl.trans(Xq), qq * R, PREC, DT)
-        Xk = load2(dMkk + i_hv * BT, tok, m, HV * BT, cols, m_c, DT)
-        dak = mm(Xk, kR, PREC, DT) * R
-        dbk += mm(tl.trans(Xk * b[:, None]), kk * R, PREC, DT)
+    # the stored dMqk, dMkk as the products' first operands, scale and beta applied outside them: operands exact
+    # in TF32 (16-bit storage), which "tf32x2" needs
+    Xq = load2(dMqk + i_hv * BT, tok, m, HV * BT, cols, m_c, DT)
+    daq = mm(Xq, kR, PREC, DT) * (R * scale)
+    dbk = mm(tl.trans(Xq), qq * R, PREC, DT) * scale
+    Xk = load2(dMkk + i_hv * BT, tok, m, HV * BT, cols, m_c, DT)
+    dak = mm(Xk, kR, PREC, DT) * R
+    dbk += mm(tl.trans(Xk), (kk * R) * b[:, None], PREC, DT)
     return daq, b[:, None] * dak, dbk * tl.exp(tl.minimum(-E, SPAN)), tl.sum(kk * dak, axis=1)
 
 
