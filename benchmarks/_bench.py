@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import glob
 import importlib
 import os
 import sys
@@ -122,3 +124,14 @@ def emit(lines: list[str], out: Path | None) -> None:
     if out:
         out.write_text(text + "\n")
     print(text)
+
+
+def table_and_wheel_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--out FILE`` (the markdown table also written there) and ``--wheels`` (fla-core and its dependencies to
+    import fla from when it is not installed; default: the repository's ``.whl/*.whl``)."""
+    parser.add_argument("--out", type=Path, help="also write the markdown table to this file")
+    parser.add_argument("--wheels", nargs="*", default=sorted(glob.glob(str(ROOT / ".whl" / "*.whl"))),
+                        help="wheels to import fla from when it is not installed")  # fmt: skip
+
+
+ROOT = Path(__file__).resolve().parent.parent

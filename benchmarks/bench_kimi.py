@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import glob
 import inspect
 import sys
 import time
@@ -36,6 +35,8 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _bench  # noqa: E402
+
+from kda_ops.testing import rel_err  # noqa: E402
 
 NAMES = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")
 
@@ -60,10 +61,6 @@ def use(modeling: Any, fns: tuple[Callable[..., Any], Callable[..., Any]]) -> No
         setattr(modeling, name, fn)
 
 
-def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((x.double() - ref.double()).norm() / ref.double().norm())
-
-
 def decode_ms(model: Any, prompt: torch.Tensor, n: int) -> float:
     """Host ms per generated token of a greedy ``generate()`` of ``n`` tokens (mean of 3 runs after a warm-up)."""
     def run() -> None:
@@ -80,9 +77,7 @@ def decode_ms(model: Any, prompt: torch.Tensor, n: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, help="also write the markdown table to this file")
-    parser.add_argument("--wheels", nargs="*", default=sorted(glob.glob(str(ROOT / ".whl" / "*.whl"))),
-                        help="wheels to import fla from when it is not installed")  # fmt: skip
+    _bench.table_and_wheel_arguments(parser)
     parser.add_argument("--skip-fla", action="store_true", help="leave fla out")
     parser.add_argument("--T", type=int, default=4096, help="tokens of the prompt of the forward rows")
     parser.add_argument("--decode", type=int, default=64, help="tokens generated in the decode row")
@@ -126,10 +121,10 @@ def main() -> None:
             logits[name] = model(ids).logits
             fwd = float(do_bench(lambda: model(ids, use_cache=False), warmup=3, rep=200, return_mode="median"))
             dec = decode_ms(model, prompt, args.decode)
-        rows.append((name, rel(logits[name], ref), fwd, dec))
+        rows.append((name, rel_err(logits[name], ref), fwd, dec))
         print(rows[-1], file=sys.stderr, flush=True)
     use(modeling, bound)
-    diff = rel(logits["kda-ops"], logits["transformers (PyTorch)"])
+    diff = rel_err(logits["kda-ops"], logits["transformers (PyTorch)"])
     table = [
         f"# Kimi Linear under transformers, {datetime.date.today().isoformat()}",
         "",

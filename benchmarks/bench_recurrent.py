@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import glob
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -214,9 +213,7 @@ def backward_timing() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, help="also write the markdown table to this file")
-    parser.add_argument("--wheels", nargs="*", default=sorted(glob.glob(str(ROOT / ".whl" / "*.whl"))),
-                        help="wheels to import fla from when it is not installed")  # fmt: skip
+    _bench.table_and_wheel_arguments(parser)
     parser.add_argument("--sweep", action="store_true", help="time every value tile / warp count")
     parser.add_argument("--sweep-pool", choices=("fp32", "bf16"), default="fp32",
                         help="the state pool's dtype in --sweep (a bf16 pool moves half the bytes a step)")  # fmt: skip
