@@ -164,11 +164,11 @@ def sweep(batches: tuple[int, ...], pool_dtype: torch.dtype = torch.float32, v_f
         x["pool"] = x["pool"].to(pool_dtype)
         x["v_first"] = v_first
     try:
-        for BV in (16, 32, 64, 128):
+        for BV in (8, 16, 32, 64, 128):
             for nw in (1, 2, 4, 8):
                 if triton.next_power_of_2(K) * BV // (32 * nw) > 128:  # state elements per thread: would spill
                     continue
-                tr.recurrent_config = lambda K, V, BV=BV, nw=nw: (triton.next_power_of_2(K), BV, nw)  # type: ignore[misc]
+                tr.recurrent_config = lambda K, V, *_, BV=BV, nw=nw: (triton.next_power_of_2(K), BV, nw)  # type: ignore[misc]
                 tr._forward_meta.cache_clear()
                 cells = []
                 for B in batches:

@@ -14,10 +14,12 @@ Usage: ``python examples/train_hybrid.py [--steps 300] [--device cpu|cuda] [--ou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import importlib.util
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +116,39 @@ def transformers_kda() -> nn.Module:
     return TransformersKDA(KimiLinearDeltaAttention(config, 0))
 
 
+KERNEL_NAMES = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")
+
+
+def transformers_paths() -> dict[str, tuple[Callable[..., Any], ...]]:
+    """transformers' KDA functions by path: its own PyTorch ones, and the kernels it bound at import where they
+    differ (fla's, when fla is importable)."""
+    import inspect
+
+    from transformers.models.kimi_linear import modeling_kimi_linear as modeling
+
+    bound = tuple(getattr(modeling, n) for n in KERNEL_NAMES)
+    paths = {"transformers KDA path, eager": tuple(inspect.unwrap(f) for f in bound)}
+    # transformers' wrappers call fla's functions where fla imported when the modeling module was
+    if importlib.util.find_spec("fla") is not None:
+        paths["transformers layer on fla's kernels, eager"] = bound
+    return paths
+
+
+@contextlib.contextmanager
+def kernels(fns: tuple[Callable[..., Any], ...]) -> Iterator[None]:
+    """transformers' KDA layers call ``fns`` inside the block (its module-level names, looked up per call)."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as modeling
+
+    old = tuple(getattr(modeling, n) for n in KERNEL_NAMES)
+    for n, f in zip(KERNEL_NAMES, fns, strict=True):
+        setattr(modeling, n, f)
+    try:
+        yield
+    finally:
+        for n, f in zip(KERNEL_NAMES, old, strict=True):
+            setattr(modeling, n, f)
+
+
 def init_like(model: HybridLM, ref: dict[str, Tensor]) -> HybridLM:
     """``model`` with the weights ``ref`` (a state dict; the KDA layers' keys are the same either way)."""
     own = model.state_dict()
@@ -189,8 +224,10 @@ def main() -> None:
     fresh = init_like(HybridLM(ours), start)
     runs.append(train("kda-ops, eager", fresh, data, args.device, compile=False))
     try:
-        theirs = init_like(HybridLM(transformers_kda), start)
-        runs.append(train("transformers KDA path, eager", theirs, data, args.device, compile=False))
+        for name, fns in transformers_paths().items():
+            with kernels(fns):
+                theirs = init_like(HybridLM(transformers_kda), start)
+                runs.append(train(name, theirs, data, args.device, compile=False))
     except ImportError as e:
         print(f"transformers' layer skipped: {e}")
     args.out.mkdir(parents=True, exist_ok=True)

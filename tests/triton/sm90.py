@@ -317,9 +317,9 @@ def recurrent_variants() -> dict[str, Variant]:
     def forward(K: int, V: int, x: torch.dtype, opts: dict[str, bool], *, serving: bool = False,
                 varlen: bool = False, state: bool = True, v_first: bool = False,
                 spec: bool = False, pool: torch.dtype | None = None) -> Variant:  # fmt: skip
-        BK, BV, warps = recurrent_config(K, V)
         s = F64 if x == F64 else F32
         p = pool or s
+        BK, BV, warps = recurrent_config(K, V, v_first, p.itemsize)
         args = dict(q=x, k=x, v=x, g=s, beta=x, o=x, h0=p if state else None, ht=p if state else None,
                     cu_seqlens=I32 if varlen else None, state_indices=I32 if serving or spec else None,
                     num_accepted=I32 if spec else None, NSPEC=4, SPEC=spec, HAS_ACCEPTED=spec,

@@ -289,6 +289,7 @@ def launch_forward(
         H, HV, K, V, v.dtype == torch.float64, opts, A_log is not None, dt_bias is not None, h0 is not None,
         ht is not None, cu_seqlens is not None, state_indices is not None,
         state_indices is not None and state_indices.dim() == 2, num_accepted is not None,
+        _state_bytes(h0, ht),
     )  # fmt: skip
     _launch_fwd(
         (N * HV * NV,),
@@ -301,14 +302,23 @@ def launch_forward(
     )  # fmt: skip
 
 
+def _state_bytes(h0: Tensor | None, ht: Tensor | None) -> int:
+    """Bytes per element of the states the kernel reads or writes (4 without either)."""
+    for s in (h0, ht):
+        if s is not None:
+            return s.element_size()
+    return 4
+
+
 @functools.cache
 def _forward_meta(
     H: int, HV: int, K: int, V: int, fp64: bool, opts: Options, has_A_log: bool, has_dt_bias: bool,
     has_h0: bool, has_ht: bool, varlen: bool, indexed: bool, spec: bool = False, accepted: bool = False,
+    state_bytes: int = 4,
 ) -> tuple[int, dict[str, Any], tuple[Any, ...]]:  # fmt: skip
     """The number of value tiles, the constexpr arguments of one launch and a hashable key that determines them,
     computed once per configuration (the eager decode call is dominated by host overhead)."""
-    BK, BV, num_warps = recurrent_config(K, V)
+    BK, BV, num_warps = recurrent_config(K, V, opts.state_v_first, state_bytes)
     key = (H, HV, K, V, fp64, opts, has_A_log, has_dt_bias, has_h0, has_ht, varlen, indexed, spec, accepted, BK, BV,
            num_warps)  # fmt: skip
     meta = dict(
