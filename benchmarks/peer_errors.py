@@ -15,8 +15,11 @@ Both libraries are called through the same signature (``kda_ops.compat.fla.chunk
 autograd with the same cotangents; the oracle is autograd of ``kda_ops.reference.naive_recurrent_kda`` on float64
 copies of the 16-bit inputs. The figure is the relative error ``||x - ref|| / ||ref||`` (fla's RMS error ratio).
 
-Usage: ``python benchmarks/peer_errors.py [--out DIR] [--wheels WHEEL ...] [--skip-fla] [--cases NAME ...]``;
-needs a CUDA GPU. fla's backward autotunes at each new shape (minutes): give the command time, or fewer cases.
+Usage: ``python benchmarks/peer_errors.py [--out DIR] [--wheels WHEEL ...] [--skip-fla] [--cases NAME ...]
+[--fla-configs N]``; needs a CUDA GPU. fla's backward autotunes at each new shape over every config of each kernel
+(more than 200 s for the first case on an H200): ``--fla-configs N`` keeps each of its autotuned kernels to the N
+configs of least shared memory (fewest stages, smallest tiles), which compiles in seconds; the tile choice changes
+only the order of a kernel's sums, not what it computes.
 """
 
 from __future__ import annotations
@@ -78,6 +81,31 @@ def cases() -> dict[str, Case]:
     return out
 
 
+def limit_fla_autotune(n: int) -> int:
+    """Keep every autotuned kernel of the imported ``fla`` modules to its ``n`` configs of least shared memory (fewest
+    pipeline stages, then the smallest product of the tile sizes); the number of kernels limited."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import KernelInterface
+
+    def cost(c: Any) -> tuple[int, int, int]:
+        tiles = 1
+        for v in c.kwargs.values():
+            tiles *= v if isinstance(v, int) and not isinstance(v, bool) else 1
+        return (c.num_stages or 0, tiles, c.num_warps or 0)
+
+    limited = 0
+    for name, mod in list(sys.modules.items()):
+        if not (name == "fla" or name.startswith("fla.")):
+            continue
+        for obj in list(vars(mod).values()):
+            while isinstance(obj, KernelInterface):  # through the heuristics wrapped around an autotuner
+                if isinstance(obj, Autotuner) and len(obj.configs) > n:
+                    obj.configs = sorted(obj.configs, key=cost)[:n]
+                    limited += 1
+                obj = getattr(obj, "fn", None)
+    return limited
+
+
 def run(fn: Callable[..., Any], leaves: dict[str, torch.Tensor], kw: dict[str, Any], grad: bool,
         cot: tuple[torch.Tensor, torch.Tensor] | None) -> dict[str, torch.Tensor]:  # fmt: skip
     """``o``, the final state and (with ``grad``) every leaf's gradient of ``fn`` called on copies of ``leaves``."""
@@ -132,11 +160,15 @@ def main() -> int:
     parser.add_argument("--skip-fla", action="store_true", help="ours and the oracle only")
     parser.add_argument("--cases", nargs="*", default=None,
                         help="only the cases whose names start so (gate, short, K256; fla autotunes per case)")
+    parser.add_argument("--fla-configs", type=int, default=None,
+                        help="keep each of fla's autotuned kernels to its N configs of least shared memory")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("peer_errors.py needs a CUDA GPU", file=sys.stderr)
         return 1
     fla_fn, where = (None, "fla skipped") if args.skip_fla else _bench.load_fla(args.wheels, "chunk_kda")
+    if fla_fn is not None and args.fla_configs is not None:
+        where += f", autotune limited to {args.fla_configs} configs in {limit_fla_autotune(args.fla_configs)} kernels"
     lines = [f"# Errors against float64, {torch.cuda.get_device_name()}, torch {torch.__version__}, {where}",
              *compare(fla_fn, args.cases)]  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)

@@ -20,8 +20,21 @@ def pdl_enter(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-# The bits of an fp32 value that TF32 keeps (sign, exponent, 10 of the 23 mantissa bits).
+# The bits of an fp32 value that TF32 keeps (sign, exponent, 10 of the 23 mantissa bits), and half a unit of the
+# last of them (added before the mask, it rounds to nearest).
 TF32_MASK = tl.constexpr(-(1 << 13))
+TF32_HALF = tl.constexpr(1 << 12)
+
+
+@triton.jit
+def tf32_nearest(x):
+    """``x`` (fp32) rounded to the nearest TF32 value, ties away from zero: the tensor cores cut an fp32 operand to
+    TF32 toward zero, which biases every product of a chain the same way. A 16-bit ``x``, exact in TF32, is only
+    widened. Infinities stay infinite."""
+    if x.dtype == tl.float32:
+        return ((x.to(tl.int32, bitcast=True) + TF32_HALF) & TF32_MASK).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
 
 
 @triton.jit
@@ -31,9 +44,13 @@ def mm(a, b, PREC: tl.constexpr, DT: tl.constexpr):
     ``"tf32x2"``: for an ``a`` that TF32 holds exactly (values stored in 16 bits), ``b`` split into the part TF32
     keeps and the rest, two TF32 products into one accumulator: ``b``'s rounding drops from ``2^-10`` to ``~2^-20``
     relative (TF32 cut toward zero), for two thirds of the products of ``"tf32x3"``, which splits both operands.
-    A finite ``b`` only: an infinity's rest is NaN."""
+    A finite ``b`` only: an infinity's rest is NaN.
+
+    ``"tf32rn"``: TF32 with fp32 operands rounded to nearest first (:func:`tf32_nearest`), unbiased."""
     if PREC == "bf16":
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16)).to(DT)
+    elif PREC == "tf32rn":
+        return tl.dot(tf32_nearest(a), tf32_nearest(b), input_precision="tf32").to(DT)
     elif PREC == "tf32x2":
         bf = b.to(tl.float32)
         hi = (bf.to(tl.int32, bitcast=True) & TF32_MASK).to(tl.float32, bitcast=True)

@@ -40,7 +40,8 @@ def product_precisions(dtype: torch.dtype) -> tuple[str, str, str]:
     two through the inverse ``Tm``, and the dq/dk stage's.
 
     fp64 exact; fp32 3xTF32 (~2e-7 a product); 16-bit tf32 (~3e-4 a product, within the 8e-3 budget of the
-    gradients), 3xTF32 through the inverse (the error hot spot). fp16 takes 2xTF32 (:func:`~kda_ops.triton.lang.mm`)
+    gradients), 3xTF32 through the inverse (the error hot spot). fp16 rounds fp32 operands to nearest TF32 rather than
+    letting the tensor cores cut them (``"tf32rn"``: an unbiased rounding, as its forward), and takes 2xTF32 (:func:`~kda_ops.triton.lang.mm`)
     in the dq/dk stage's products through ``dMqk``, ``dMkk``, whose dg the gate's gradients (dA_log, dt_bias) sum
     over many tokens with cancellation: TF32 there left dt_bias's gradient of a packed fp16 row with an in-kernel gate
     at 7.6e-3 against float64 on the H200, over the 5e-3 bound (3xTF32 there spills 760 B or more per thread). The
@@ -55,7 +56,9 @@ def product_precisions(dtype: torch.dtype) -> tuple[str, str, str]:
         return "ieee", "ieee", "ieee"
     if dtype == torch.float32:
         return "tf32x3", "tf32x3", "tf32x3"
-    return "tf32", "tf32x3", "tf32x2" if dtype == torch.float16 else "tf32"
+    if dtype == torch.float16:
+        return "tf32rn", "tf32x3", "tf32x2"
+    return "tf32", "tf32x3", "tf32"
 
 
 # (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)

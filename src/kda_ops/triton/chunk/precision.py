@@ -1,8 +1,9 @@
 """Per-product precision of the chunk pipeline.
 
 Every matrix product of the pipeline goes through :func:`~kda_ops.triton.lang.mm` with a compile-time precision
-string: ``"bf16"`` (operands rounded to bf16, fp32 accumulation: tensor cores at full rate), ``"tf32"``,
-``"tf32x3"`` or ``"ieee"`` (fp32 operands; ``"ieee"`` is exact fp32). :class:`Precision` names one per product and
+string: ``"bf16"`` (operands rounded to bf16, fp32 accumulation: tensor cores at full rate), ``"tf32"`` (fp32
+operands cut to TF32 by the tensor cores), ``"tf32rn"`` (rounded to nearest TF32 first), ``"tf32x3"`` or ``"ieee"``
+(``"ieee"`` is exact fp32). :class:`Precision` names one per product and
 the storage dtype of the per-chunk factors; :func:`precision_for` gives the default for an input dtype, and
 :func:`use_precision` overrides it (the benchmark measures the alternatives with it).
 """
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from kda_ops.triton.launch import interpreting
 
-PRECISIONS = ("bf16", "tf32", "tf32x3", "ieee")
+PRECISIONS = ("bf16", "tf32", "tf32rn", "tf32x3", "ieee")
 
 
 def exact_bf16(prec: str, *operands: Tensor) -> str:
@@ -62,17 +63,19 @@ class Precision:
 # stages; 3xTF32 (~2e-7 per product) in the scan and the output, whose exact-fp32 form compiles for sm_90 to a
 # CUDA-core product that spills (ptxas, K = V = 128). 16-bit inputs: factors stored in the input's dtype (half the
 # bytes of the stages' traffic). bf16: bf16 products in the scan and the output (tensor cores at full rate, no fp32
-# operand tiles): the scan at B1 T32768 H32 on an H200 0.983 ms, 1.581 in exact fp32, with the same error. fp16:
-# fp16 factors hold 11 significant bits to bf16's 8 (the forward's error at B1 T63 K = V = 64 under the
-# interpreter 3.0e-4, 5.4e-3 with bf16 factors) and every product runs in TF32, which holds them exactly and keeps
-# the state's range (a bf16 product would round them, an fp16 one could overflow the state). TF32 in the intra
-# products, the solve and W, U: bf16 there saves no time in the intra products, raises the error in W, U, and in
-# the solve would round an inverse that grows in ill-conditioned chunks. The alternatives are rows of
+# operand tiles): the scan at B1 T32768 H32 on an H200 0.983 ms, 1.581 in exact fp32, with the same error; TF32 in
+# the intra products, the solve and W, U, where bf16 saves no time in the intra products, raises the error in W, U,
+# and in the solve would round an inverse that grows in ill-conditioned chunks. fp16: fp16 factors hold 11
+# significant bits to bf16's 8 (the forward's error at B1 T63 K = V = 64 under the interpreter 3.0e-4, 5.4e-3 with
+# bf16 factors), and every product takes TF32, which holds them exactly and keeps the state's range (a bf16 product
+# would round them, an fp16 one could overflow the state), its fp32 operands rounded to nearest: cut toward zero
+# they left o at that shape at 1.25e-3 on an H200, 4.3e-4 rounded, 3.7e-4 with Mqk and Mkk (whose decayed operands
+# carry the most of the rest) in 3xTF32, for 8 % more time at B1 T32768 H32. The alternatives are rows of
 # `python benchmarks/bench_chunk.py --precision-sweep`.
 _DEFAULTS: dict[torch.dtype, Precision] = {
     torch.float64: Precision(),
     torch.float32: Precision(scan="tf32x3", output="tf32x3"),
-    torch.float16: Precision("tf32", "tf32", "tf32", "tf32", "tf32", torch.float16),
+    torch.float16: Precision("tf32x3", "tf32rn", "tf32rn", "tf32rn", "tf32rn", torch.float16),
     torch.bfloat16: Precision("tf32", "tf32", "tf32", "bf16", "bf16", torch.bfloat16),
 }
 
