@@ -39,14 +39,14 @@ def product_precisions(dtype: torch.dtype) -> tuple[str, str, str]:
     """``(PREC, PREC_T, PREC_DQK)`` of the gradient kernels: the products of the reverse scan and the dv stage, the
     two through the inverse ``Tm``, and the dq/dk stage's.
 
-    fp64 exact; fp32 3xTF32 (~2e-7 a product); 16-bit tf32 (~3e-4 a product, within the 8e-3 budget of the
-    gradients), 3xTF32 through the inverse (the error hot spot). fp16 rounds fp32 operands to nearest TF32 rather than
-    letting the tensor cores cut them (``"tf32rn"``: an unbiased rounding, as its forward), and takes 2xTF32 (:func:`~kda_ops.triton.lang.mm`)
-    in the dq/dk stage's products through ``dMqk``, ``dMkk``, whose dg the gate's gradients (dA_log, dt_bias) sum
-    over many tokens with cancellation: TF32 there left dt_bias's gradient of a packed fp16 row with an in-kernel gate
-    at 7.6e-3 against float64 on the H200, over the 5e-3 bound (3xTF32 there spills 760 B or more per thread). The
-    stage's products with the states take fp16 operands, which TF32 holds exactly. The interpreter computes all in
-    exact fp32.
+    fp64 exact; fp32 3xTF32 (~2e-7 a product); 16-bit tf32 (~3e-4 a product, within the 8e-3 budget of the gradients),
+    3xTF32 through the inverse (the error hot spot). fp16 rounds fp32 operands to nearest TF32 rather than letting the
+    tensor cores cut them toward zero (``"tf32rn"``: dv at B1 T4096 H4 K = V = 256 4.3e-4 against 8.8e-4 on the H200),
+    and takes 2xTF32 (:func:`~kda_ops.triton.lang.mm`) in the dq/dk stage's products through ``dMqk``, ``dMkk``, whose
+    dg the gate's gradients (dA_log, dt_bias) sum over many tokens with cancellation: TF32 there left dt_bias's gradient
+    of a packed fp16 row with an in-kernel gate at 7.6e-3 against float64 on the H200, over the 5e-3 bound (3xTF32 there
+    spills 760 B or more per thread). The stage's products with the states take fp16 operands, which TF32 holds exactly.
+    The interpreter computes all in exact fp32.
     No product rounds its operands to bf16 (only operands already stored in bf16 take bf16 products, exactly):
     in the reverse scan the state gradient grows without decay under zero gates and its rounding takes gradients
     over the GPU tests' bounds, and bf16 products in every gradient kernel put dg at B1 T1000 H32 bf16 at 5.50e-3
