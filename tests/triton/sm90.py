@@ -187,6 +187,8 @@ def chunk_variants() -> dict[str, Variant]:
         "prepare blocks bf16 K=V=128 folded l2norm": ("chunk.prepare", blocks, prep(True, fold=True), 8, 1),
         "prepare anchored bf16 K=V=128 folded l2norm, as launched": ("chunk.prepare", anchored,
                                                                       dict(prep(False, fold=True), BK=32), 4, 1),
+        "prepare anchored fp16 K=V=128 folded l2norm, as launched": ("chunk.prepare", anchored,
+            dict(prep(False, x=F16, store=F16, prec=("tf32x3", "tf32rn", "tf32rn"), fold=True), BK=32), 4, 1),
         "scan bf16 K=V=128 BV=32 norms": ("chunk.scan", scan.chunk_state_kernel, scn(128, 128, 32, norms=True), 8, 1),
         "scan bf16 K=V=128 BV=32 norms X form": ("chunk.scan", scan.chunk_state_kernel,
                                                  scn(128, 128, 32, norms=True, x_form=True), 8, 1),
