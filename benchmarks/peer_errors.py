@@ -163,6 +163,8 @@ def main() -> int:
     parser.add_argument("--fla-configs", type=int, default=None,
                         help="keep each of fla's autotuned kernels to its N configs of least shared memory")
     args = parser.parse_args()
+    if args.fla_configs is not None and args.fla_configs < 1:
+        parser.error("--fla-configs: expected at least 1")
     if not torch.cuda.is_available():
         print("peer_errors.py needs a CUDA GPU", file=sys.stderr)
         return 1

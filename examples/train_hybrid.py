@@ -119,19 +119,29 @@ def transformers_kda() -> nn.Module:
 KERNEL_NAMES = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")
 
 
-def transformers_paths() -> dict[str, tuple[Callable[..., Any], ...]]:
-    """transformers' KDA functions by path: its own PyTorch ones, and the kernels it bound at import where they
-    differ (fla's, when fla is importable)."""
+def transformers_paths(device: str) -> dict[str, tuple[Callable[..., Any], ...]]:
+    """transformers' KDA functions by path: its own PyTorch ones, and on CUDA the kernels it bound at import (fla's,
+    when fla imports: fla's kernels run on CUDA only)."""
     import inspect
 
     from transformers.models.kimi_linear import modeling_kimi_linear as modeling
 
     bound = tuple(getattr(modeling, n) for n in KERNEL_NAMES)
     paths = {"transformers KDA path, eager": tuple(inspect.unwrap(f) for f in bound)}
-    # transformers' wrappers call fla's functions where fla imported when the modeling module was
-    if importlib.util.find_spec("fla") is not None:
+    if device.startswith("cuda") and _fla_imports():
         paths["transformers layer on fla's kernels, eager"] = bound
     return paths
+
+
+def _fla_imports() -> bool:
+    """Whether fla's KDA functions import (transformers' wrappers fall back to its PyTorch ones where they do not)."""
+    if importlib.util.find_spec("fla") is None:
+        return False
+    try:
+        importlib.import_module("fla.ops.kda")
+    except Exception:  # noqa: BLE001 - any failure means transformers cannot bind fla's kernels either
+        return False
+    return True
 
 
 @contextlib.contextmanager
@@ -224,12 +234,17 @@ def main() -> None:
     fresh = init_like(HybridLM(ours), start)
     runs.append(train("kda-ops, eager", fresh, data, args.device, compile=False))
     try:
-        for name, fns in transformers_paths().items():
+        paths = transformers_paths(args.device)
+    except ImportError as e:
+        print(f"transformers' layer skipped: {e}")
+        paths = {}
+    for name, fns in paths.items():
+        try:
             with kernels(fns):
                 theirs = init_like(HybridLM(transformers_kda), start)
                 runs.append(train(name, theirs, data, args.device, compile=False))
-    except ImportError as e:
-        print(f"transformers' layer skipped: {e}")
+        except Exception as e:  # noqa: BLE001 - a peer path that fails is reported, the others still run
+            print(f"{name} failed: {type(e).__name__}: {e}")
     args.out.mkdir(parents=True, exist_ok=True)
     import matplotlib
 

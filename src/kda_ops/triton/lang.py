@@ -24,15 +24,21 @@ def pdl_enter(PDL: tl.constexpr):
 # last of them (added before the mask, it rounds to nearest).
 TF32_MASK = tl.constexpr(-(1 << 13))
 TF32_HALF = tl.constexpr(1 << 12)
+# The exponent bits of an fp32 value: all set in an infinity or a NaN.
+EXP_MASK = tl.constexpr(0x7F800000)
 
 
 @triton.jit
 def tf32_nearest(x):
     """``x`` (fp32) rounded to the nearest TF32 value, ties away from zero: the tensor cores cut an fp32 operand to
     TF32 toward zero, which biases every product of a chain the same way. A 16-bit ``x``, exact in TF32, is only
-    widened. Infinities stay infinite."""
+    widened. Infinities and NaNs pass unchanged (the carry of the rounding would turn a NaN into a zero or an
+    infinity); a finite value within half a TF32 unit of fp32's largest rounds to infinity, as rounding to nearest
+    does."""
     if x.dtype == tl.float32:
-        return ((x.to(tl.int32, bitcast=True) + TF32_HALF) & TF32_MASK).to(tl.float32, bitcast=True)
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = ((bits + TF32_HALF) & TF32_MASK).to(tl.float32, bitcast=True)
+        return tl.where((bits & EXP_MASK) == EXP_MASK, x, rounded)
     else:
         return x.to(tl.float32)
 

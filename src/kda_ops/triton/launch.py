@@ -167,8 +167,8 @@ FLAG_BLOCK = 128
 RECURRENT_BV_MAX = 64
 # A K-first pool of 16-bit states: BV 32 with 1 warp (the B = 64 serving step 49.9 µs against 51.6 at BV 64).
 RECURRENT_BV_MAX_16BIT = 32
-# A V-first state: each tile row is a whole 128-key row whatever BV, so the smallest tile gives the most programs:
-# BV 16 with 1 warp, the B = 64 serving step 42.1 µs on a bf16 pool (45.6 at BV 64) and 73.9 on an fp32 one (76.9).
+# A V-first state: each tile row is a whole key row (contiguous) whatever BV, so narrow tiles still read whole rows
+# and give more programs: BV 16 with 1 warp, the B = 64 serving step on a bf16 pool 42.1 µs against 45.6 at BV 64.
 RECURRENT_BV_MAX_V_FIRST = 16
 RECURRENT_ELEMENTS_PER_WARP = 4096  # state elements per warp: 128 fp32 registers per thread for the state tile
 # The backward holds about five [BV, BK] tiles at once (S_{t-1}, St, S_t, G, dSt): half the forward's elements per
@@ -179,12 +179,12 @@ RECURRENT_BWD_ELEMENTS_PER_WARP = 512
 
 def recurrent_config(K: int, V: int, v_first: bool = False, state_bytes: int = 4) -> tuple[int, int, int]:
     """``(BK, BV, num_warps)`` of the recurrent forward for head dimensions ``K, V`` and states of ``state_bytes``
-    per element in the layout of ``v_first``: the whole key dimension in one tile (the l2norm stays local to a
-    program). Not cached: the forward caches its whole launch per shape."""
+    per element (0: no state read or written) in the layout of ``v_first``: the whole key dimension in one tile (the
+    l2norm stays local to a program). Not cached: the forward caches its whole launch per shape."""
     BK = pow2(K, 1)
-    if v_first:
+    if v_first and state_bytes > 0:
         bv_max = RECURRENT_BV_MAX_V_FIRST
-    elif state_bytes <= 2:
+    elif 0 < state_bytes <= 2:
         bv_max = RECURRENT_BV_MAX_16BIT
     else:
         bv_max = RECURRENT_BV_MAX

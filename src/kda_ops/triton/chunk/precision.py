@@ -70,7 +70,7 @@ class Precision:
 # bf16 factors), and every product takes TF32, which holds them exactly and keeps the state's range (a bf16 product
 # would round them, an fp16 one could overflow the state), its fp32 operands rounded to nearest: cut toward zero
 # they left o at that shape at 1.25e-3 on an H200, 4.3e-4 rounded, 3.7e-4 with Mqk and Mkk (whose decayed operands
-# carry the most of the rest) in 3xTF32, for 8 % more time at B1 T32768 H32. The alternatives are rows of
+# carry the most of the rest) in 3xTF32, for 8 % more time at B1 T32768 H32. The alternatives for bf16 are rows of
 # `python benchmarks/bench_chunk.py --precision-sweep`.
 _DEFAULTS: dict[torch.dtype, Precision] = {
     torch.float64: Precision(),

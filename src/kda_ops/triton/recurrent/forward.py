@@ -303,11 +303,11 @@ def launch_forward(
 
 
 def _state_bytes(h0: Tensor | None, ht: Tensor | None) -> int:
-    """Bytes per element of the states the kernel reads or writes (4 without either)."""
+    """Bytes per element of the states the kernel reads or writes (0 without either: no layout to tile for)."""
     for s in (h0, ht):
         if s is not None:
             return s.element_size()
-    return 4
+    return 0
 
 
 @functools.cache
