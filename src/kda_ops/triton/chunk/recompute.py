@@ -54,8 +54,9 @@ class Recomputed:
 def recompute_precision(dtype: torch.dtype) -> Precision:
     """The forward stages' precision in the backward. fp32 inputs: fp32 storage, exact or 3xTF32 products. 16-bit
     inputs: the forward's own choice (factors in the input's dtype; for bf16, bf16 products in the scan and the output
-    and TF32 elsewhere; for fp16, TF32 with rounded operands, 3xTF32 in Mqk and Mkk). The exact fp32 solve of fp32 inputs compiles for sm_90 to CUDA-core products that spill
-    (ptxas, K = V = 128): fp32 inputs trade that time for their 1e-4 bound."""
+    and TF32 elsewhere; for fp16, TF32 with rounded operands, 3xTF32 in Mqk and Mkk). The exact fp32 solve of fp32
+    inputs compiles for sm_90 to CUDA-core products that spill (ptxas, K = V = 128): fp32 inputs trade that time for
+    their 1e-4 bound."""
     if dtype == torch.float64:
         return Precision(store=torch.float64)
     if dtype == torch.float32:
