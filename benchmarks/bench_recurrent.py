@@ -16,11 +16,11 @@ bandwidth measured in the same run (a torch copy of a large tensor: bytes read +
 fla is imported from the environment, or from wheels given by ``--wheels`` (default: ``.whl/*.whl`` of the
 repository, e.g. fla_core-0.6.0 and einops), unpacked into a temporary folder at run time.
 
-Usage: ``python benchmarks/bench_recurrent.py [--out FILE] [--sweep [--sweep-pool bf16] [--sweep-v-first]]
-[--backward] [--skip-fla]``. The markdown table comes last. ``--sweep`` times the serving step (graph-replayed) for
-every value tile / warp count, the numbers behind the fixed launch configuration in ``kda_ops/triton/launch.py``
-(``recurrent_config``), on an fp32 pool or with ``--sweep-pool bf16`` a bf16 one, K-first or with ``--sweep-v-first``
-V-first.
+Usage: ``python benchmarks/bench_recurrent.py [--out FILE] [--sweep] [--sweep-maxnreg N ...] [--sweep-pool bf16]
+[--sweep-v-first] [--backward] [--skip-fla]``. The markdown table comes last. ``--sweep`` times the serving step
+(graph-replayed) for every value tile / warp count, the numbers behind the fixed launch configuration in
+``kda_ops/triton/launch.py`` (``recurrent_config``), on an fp32 pool or with ``--sweep-pool bf16`` a bf16 one, K-first
+or with ``--sweep-v-first`` V-first; ``--sweep-maxnreg`` times the configured launch under each register cap.
 """
 
 from __future__ import annotations
@@ -170,20 +170,51 @@ def sweep(batches: tuple[int, ...], pool_dtype: torch.dtype = torch.float32, v_f
                     continue
                 tr.recurrent_config = lambda K, V, *_, BV=BV, nw=nw: (triton.next_power_of_2(K), BV, nw)  # type: ignore[misc]
                 tr._forward_meta.cache_clear()
-                cells = []
-                for B in batches:
-                    try:
-                        fn = workloads(inputs[B], None)["serving"]
-                        with torch.no_grad():
-                            fn()
-                            cells.append(f"{gpu_us(_bench.capture(fn)[0].replay):.1f}")
-                    except Exception as e:  # noqa: BLE001
-                        cells.append(f"failed ({type(e).__name__})")
-                lines.append(f"| {BV} | {nw} | " + " | ".join(cells) + " |")
+                lines.append(f"| {BV} | {nw} | " + " | ".join(_serving_cells(inputs)) + " |")
                 print(lines[-1], file=sys.stderr)
     finally:
         tr.recurrent_config = original
         tr._forward_meta.cache_clear()
+    return "\n".join(lines)
+
+
+def _serving_cells(inputs: dict[int, dict[str, Any]]) -> list[str]:
+    """The graph-replayed serving step's GPU µs for each batch's inputs, under the launch configuration in force."""
+    cells = []
+    for x in inputs.values():
+        try:
+            fn = workloads(x, None)["serving"]
+            with torch.no_grad():
+                fn()
+                cells.append(f"{gpu_us(_bench.capture(fn)[0].replay):.1f}")
+        except Exception as e:  # noqa: BLE001
+            cells.append(f"failed ({type(e).__name__})")
+    return cells
+
+
+def maxnreg_sweep(batches: tuple[int, ...], pool_dtype: torch.dtype, v_first: bool, caps: list[int]) -> str:
+    """Graph-replayed serving step at the configured tile and warps, uncapped and under each register cap per thread
+    in ``caps`` (more one-warp programs per SM where the kernel then does not spill)."""
+    import kda_ops.triton.recurrent.forward as tr
+
+    original = tr._forward_meta
+    lines = ["| maxnreg | " + " | ".join(f"B={B} µs" for B in batches) + " |", "|---|" + "---|" * len(batches)]
+    inputs = {B: decode_inputs(B) for B in batches}
+    for x in inputs.values():
+        x["pool"] = x["pool"].to(pool_dtype)
+        x["v_first"] = v_first
+    try:
+        for cap in (None, *caps):
+
+            def capped(*a: Any, cap: int | None = cap) -> tuple[int, dict[str, Any], tuple[Any, ...]]:
+                nv, meta, key = original(*a)
+                return (nv, meta, key) if cap is None else (nv, {**meta, "maxnreg": cap}, (*key, "maxnreg", cap))
+
+            tr._forward_meta = capped  # type: ignore[assignment]
+            lines.append(f"| {cap or '-'} | " + " | ".join(_serving_cells(inputs)) + " |")
+            print(lines[-1], file=sys.stderr)
+    finally:
+        tr._forward_meta = original
     return "\n".join(lines)
 
 
@@ -218,6 +249,9 @@ def main() -> None:
     parser.add_argument("--sweep-pool", choices=("fp32", "bf16"), default="fp32",
                         help="the state pool's dtype in --sweep (a bf16 pool moves half the bytes a step)")  # fmt: skip
     parser.add_argument("--sweep-v-first", action="store_true", help="the sweep on a V-first pool ([V, K] states)")
+    parser.add_argument("--sweep-maxnreg", type=int, nargs="*", default=None, metavar="N",
+                        help="time the serving step as configured under each register cap N (with --sweep-pool, "
+                             "--sweep-v-first)")  # fmt: skip
     parser.add_argument("--backward", action="store_true", help="also time forward + backward (B=4, T=512)")
     parser.add_argument("--batches", type=int, nargs="*", default=list(BATCHES))
     parser.add_argument("--skip-fla", action="store_true", help="leave fla out: time kda_ops only")
@@ -267,6 +301,11 @@ def main() -> None:
         layout = "V-first" if args.sweep_v_first else "K-first"
         extra += ["", f"Launch configuration sweep (serving step, {args.sweep_pool} {layout} pool, CUDA graph, GPU "
                   "µs):", "", sweep(tuple(args.batches), pool_dtype, args.sweep_v_first)]  # fmt: skip
+    if args.sweep_maxnreg:
+        pool_dtype = torch.bfloat16 if args.sweep_pool == "bf16" else torch.float32
+        layout = "V-first" if args.sweep_v_first else "K-first"
+        extra += ["", f"Register caps (serving step as configured, {args.sweep_pool} {layout} pool, CUDA graph, GPU "
+                  "µs):", "", maxnreg_sweep(tuple(args.batches), pool_dtype, args.sweep_v_first, args.sweep_maxnreg)]
     text = "\n".join(header + table + extra) + "\n"
     print(text)
     if args.out is not None:
