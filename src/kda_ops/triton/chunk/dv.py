@@ -23,7 +23,7 @@ from torch import Tensor
 
 from kda_ops.triton.chunk.precision import exact_bf16
 from kda_ops.triton.chunk.tiles import BT, col_mask, load2, row_factors, scale_rows, slot_rows, store2
-from kda_ops.triton.lang import LOG_FLOOR, mm
+from kda_ops.triton.lang import LOG_FLOOR, mm, tf32_nearest
 from kda_ops.triton.launch import compute_dtype, contiguous, launch, poison
 from kda_ops.varlen import SlotRows
 
@@ -42,6 +42,10 @@ def chunk_bwd_dv_kernel(
     cols = tl.arange(0, BT)
     m_c = col_mask(cols, BT, BT)
     TmT = tl.trans(load2(Tm + i_hv * BT, tok, m, HV * BT, cols, m_c, DT))  # [BT, BT]
+    if PREC == "tf32rn":
+        # rounded once, not kept beside the exact inverse through the loops (which spilled 208 B per thread, sm_90):
+        # the products through it round it again to the same values, and dMk below reloads it exact
+        TmT = tf32_nearest(TmT)
     b = tl.load(beta + tok * HV + i_hv, mask=m, other=0.0).to(DT)  # [BT]
     rk = row_factors(Nk, tok, m, i_h, H, DT, NORMS)  # the l2norm factors of the chunk's k rows (or 1.0)
     dA = tl.zeros((BT, BT), dtype=DT)
@@ -83,6 +87,8 @@ def chunk_bwd_dv_kernel(
         db += tl.sum(Y * Kt, axis=1)
     r2 = tl.arange(0, BT)[:, None]
     c2 = tl.arange(0, BT)[None, :]
+    if PREC == "tf32rn":
+        TmT = tl.trans(load2(Tm + i_hv * BT, tok, m, HV * BT, cols, m_c, DT))
     dMk = -mm(mm(TmT, dT, PREC_T, DT), TmT, PREC_T, DT)
     store2(dMqk + i_hv * BT, tok, m, HV * BT, cols, m_c, tl.where(c2 <= r2, dA, 0.0))
     store2(dMkk + i_hv * BT, tok, m, HV * BT, cols, m_c, tl.where(c2 < r2, dMk, 0.0))
