@@ -389,8 +389,12 @@ def _prepare(
     # the flag loop in the forward; the backward's recompute keeps a program per item (its form of the loop spills
     # 272 B per thread with triton 3.9, over the backward's bound)
     flag_loop = anchored and not store_tm
+    # The block pass forms Mqk, Mkk per 16-row block from decays factored at each block's start, not from the anchored
+    # path's decays of up to 80 nats: where 3xTF32 is asked there (fp16) it takes TF32 with rounded operands, since
+    # the recompute's block pass spilled 264 B per thread in 3xTF32 (triton 3.7 and 3.9), over the backward's bound.
+    block_intra = "tf32rn" if precision.intra == "tf32x3" else precision.intra
     blocks_meta = dict(meta, SPAN=FACTOR_SPAN, CHECK_FLAG=anchored, FOLD=fold, FB=FLAG_BLOCK, FLAG_LOOP=flag_loop,
-                       **launch("prepare_blocks", BK=K, BV=V))  # fmt: skip
+                       PREC_INTRA=block_intra, **launch("prepare_blocks", BK=K, BV=V))  # fmt: skip
     grid = (min(cdiv(NC * HV, FLAG_BLOCK), persistent_programs(q.device)),) if flag_loop else (NC, HV)
     _launch_blocks(grid, (*head, *tail, NC * HV), blocks_meta)
     if store_tm:
