@@ -212,7 +212,8 @@ def train(name: str, model: nn.Module, data: list[Tensor], device: str, compile:
     if device == "cuda":
         torch.cuda.synchronize()
     tokens = sum(ids.numel() for ids in data[warm:])
-    return {"name": name, "losses": losses, "tok_s": tokens / (time.perf_counter() - t_start)}
+    bad = next((i for i, x in enumerate(losses) if not math.isfinite(x)), None)
+    return {"name": name, "losses": losses, "tok_s": tokens / (time.perf_counter() - t_start), "first_nan": bad}
 
 
 def main() -> None:
@@ -267,8 +268,8 @@ def main() -> None:
              f"B{args.batch} T{args.T}", "", "| KDA | first loss | last loss (mean of 10) | tokens/s |",
              "|---|---|---|---|"]  # fmt: skip
     for r in runs:
-        last = sum(r["losses"][-10:]) / 10
-        lines.append(f"| {r['name']} | {r['losses'][0]:.3f} | {last:.3f} | {r['tok_s']:.0f} |")
+        last = f"{sum(r['losses'][-10:]) / 10:.3f}" if r["first_nan"] is None else f"nan from step {r['first_nan']}"
+        lines.append(f"| {r['name']} | {r['losses'][0]:.3f} | {last} | {r['tok_s']:.0f} |")
     text = "\n".join(lines)
     (args.out / "train_hybrid.md").write_text(text + "\n")
     print(text)
