@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -196,56 +197,68 @@ def gpu(session: nox.Session) -> None:
 def sanitize(session: nox.Session) -> None:
     """Every Triton kernel and launch form once (``tests/gpu/test_every_kernel.py``) under compute-sanitizer, in the
     machine's own Python: memcheck, then racecheck; ``nox -s sanitize -- memcheck`` runs one tool. Each test runs in
-    a process of its own under the tool, ``KDA_SANITIZE_JOBS`` (default 4) at a time, and prints the tool's summary:
-    under racecheck the file's eighteen tests take 7-375 s each on an H200, over 30 minutes in one process. The
-    session fails if any process reports an error. torch's caching allocator is off so that memcheck sees each
-    tensor's own bounds.
+    a process of its own under the tool, ``KDA_SANITIZE_JOBS`` (default 4) at a time, and its summary is logged as
+    it ends (in order of completion): under racecheck a test takes from 7 s to over 500 s on an H200, and the file
+    in one process took over 30 minutes. The session fails where a process exits non-zero (an error report, or a
+    failed test) or a summary counts warnings. torch's caching allocator is off so that memcheck sees each tensor's
+    own bounds.
     """
+    if shutil.which("compute-sanitizer") is None:
+        session.error("compute-sanitizer is not on PATH")
     env = {**os.environ, "PYTORCH_NO_CUDA_MEMORY_CACHING": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}  # fmt: skip
     session.run("python", "-c", "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device')")
-    tests = str(ROOT / "tests" / "gpu" / "test_every_kernel.py")
+    tests = "tests/gpu/test_every_kernel.py"
     listed = subprocess.run(["python", "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", tests],
-                            capture_output=True, text=True, env=env, check=True).stdout  # fmt: skip
-    ids = [line for line in listed.splitlines() if "::" in line]
-    jobs = int(os.environ.get("KDA_SANITIZE_JOBS", "4"))
+                            capture_output=True, text=True, env=env, cwd=ROOT)  # fmt: skip
+    ids = [line for line in listed.stdout.splitlines() if line.startswith(tests + "::")]
+    if listed.returncode != 0 or not ids:
+        session.error(f"collecting {tests} failed:\n{listed.stdout}\n{listed.stderr}")
+    jobs = max(1, int(os.environ.get("KDA_SANITIZE_JOBS", "4")))
     failed = []
     for tool in session.posargs or ["memcheck", "racecheck"]:
         for name, code, summary in _sanitized(tool, ids, env, jobs):
             session.log(f"{tool} {name}: exit {code}; {summary}")
-            if code != 0:
+            if code != 0 or re.search(r"\b[1-9]\d* warnings?\b", summary):
                 failed.append(f"{tool} {name}")
     if failed:
-        session.error(f"compute-sanitizer reported errors (or a test failed) in: {failed}")
+        session.error(f"compute-sanitizer reported errors or warnings (or a test failed) in: {failed}")
 
 
 def _sanitized(tool: str, ids: list[str], env: dict[str, str], jobs: int) -> list[tuple[str, int, str]]:
-    """Each test id of ``ids`` under ``compute-sanitizer --tool tool`` in a process of its own, ``jobs`` at a time:
-    its id, exit status and the tool's summary line."""
+    """Each test id of ``ids`` under ``compute-sanitizer --tool tool`` in a process of its own (in the repository's
+    root), ``jobs`` at a time: its name, exit status and the tool's summary line, in order of completion. The last
+    lines of a process that exits non-zero are printed."""
     out: list[tuple[str, int, str]] = []
+    running: list[tuple[str, subprocess.Popen[bytes], Path]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        pending = list(enumerate(ids))
-        running: list[tuple[str, subprocess.Popen[bytes], Path]] = []
-        while pending or running:
-            while pending and len(running) < jobs:
-                i, test = pending.pop(0)
-                log = Path(tmp) / f"{i}.txt"
-                cmd = ["compute-sanitizer", "--tool", tool, "--error-exitcode", "1", "--print-limit", "20", "python",
-                       "-m", "pytest", "-q", "-p", "no:cacheprovider", test]  # fmt: skip
-                with log.open("wb") as f:
-                    running.append((test, subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env), log))
-            done = next((r for r in running if r[1].poll() is not None), None)
-            if done is None:
-                time.sleep(1.0)
-                continue
-            running.remove(done)
-            test, proc, log = done
-            code = proc.wait()
-            lines = log.read_text(errors="replace").splitlines()
-            summary = next((ln.strip("= ") for ln in reversed(lines) if "SUMMARY" in ln), "no summary printed")
-            if code != 0:
-                print("\n".join(lines[-40:]))
-            out.append((test.split("::", 1)[1], code, summary))
+        try:
+            pending = list(enumerate(ids))
+            while pending or running:
+                while pending and len(running) < jobs:
+                    i, test = pending.pop(0)
+                    log = Path(tmp) / f"{i}.txt"
+                    cmd = ["compute-sanitizer", "--tool", tool, "--error-exitcode", "1", "--print-limit", "20",
+                           "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", test]  # fmt: skip
+                    with log.open("wb") as f:
+                        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+                    running.append((test, proc, log))
+                done = next((r for r in running if r[1].poll() is not None), None)
+                if done is None:
+                    time.sleep(1.0)
+                    continue
+                running.remove(done)
+                test, proc, log = done
+                code = proc.wait()
+                lines = log.read_text(errors="replace").splitlines()
+                summary = next((ln.strip("= ") for ln in reversed(lines) if "SUMMARY" in ln), "no summary printed")
+                if code != 0:
+                    print("\n".join(lines[-40:]))
+                out.append((test.split("::", 1)[1], code, summary))
+        finally:  # an interrupted session leaves no sanitizer running
+            for _, proc, _ in running:
+                proc.kill()
+                proc.wait()
     return out
 
 

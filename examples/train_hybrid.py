@@ -268,7 +268,8 @@ def main() -> None:
              f"B{args.batch} T{args.T}", "", "| KDA | first loss | last loss (mean of 10) | tokens/s |",
              "|---|---|---|---|"]  # fmt: skip
     for r in runs:
-        last = f"{sum(r['losses'][-10:]) / 10:.3f}" if r["first_nan"] is None else f"nan from step {r['first_nan']}"
+        bad = r["first_nan"]
+        last = f"{sum(r['losses'][-10:]) / 10:.3f}" if bad is None else f"non-finite from step {bad}"
         lines.append(f"| {r['name']} | {r['losses'][0]:.3f} | {last} | {r['tok_s']:.0f} |")
     text = "\n".join(lines)
     (args.out / "train_hybrid.md").write_text(text + "\n")
