@@ -102,7 +102,14 @@ OPCHECK_CASES = {
     "state": {"h0": True, "final": True},
     "varlen": {"cu": True, "h0": True, "final": True},
     "gate": {"gate": True, "final": True},
+    "transposed": {"h0": True, "final": True, "transposed": True},  # dense, not contiguous: outputs contiguous
 }
+
+
+def _time_major(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values stored time-major: ``[B, T, ...]`` with the strides of a transposed ``[T, B, ...]``."""
+    dims = (1, 0, *range(2, t.dim()))
+    return t.permute(dims).contiguous().permute(dims)
 
 
 @pytest.mark.parametrize("case", OPCHECK_CASES)
@@ -114,6 +121,9 @@ def test_opcheck_forward(case: str, op: str, requires_grad: bool) -> None:
     x = make_inputs(B, T, 1, 4, 4, HV=2, gate_in_kernel=bool(c.get("gate")), beta_logits=True)
     cu = torch.tensor([0, 3, 3, 12]) if c.get("cu") else None
     h0 = make_state(3 if cu is not None else B, 2, 4, 4) if c.get("h0") else None
+    if c.get("transposed"):
+        x = {n: _time_major(t) if t.dim() >= 3 else t for n, t in x.items()}
+        h0 = None if h0 is None else h0.transpose(-1, -2).contiguous().transpose(-1, -2)
     if requires_grad:
         x = {n: t.requires_grad_() for n, t in x.items()}
         h0 = None if h0 is None else h0.requires_grad_()
@@ -122,10 +132,14 @@ def test_opcheck_forward(case: str, op: str, requires_grad: bool) -> None:
 
 
 @pytest.mark.parametrize("op", ["chunk_bwd", "recurrent_bwd"])
-def test_opcheck_backward(op: str) -> None:
+@pytest.mark.parametrize("transposed", [False, True])
+def test_opcheck_backward(op: str, transposed: bool) -> None:
     x = make_inputs(1, 12, 1, 4, 4, HV=2, gate_in_kernel=True, beta_logits=True)
     cu = torch.tensor([0, 5, 12])
     h0 = make_state(2, 2, 4, 4)
+    if transposed:  # dense, not contiguous: the gradients contiguous
+        x = {n: t.transpose(1, 2).contiguous().transpose(1, 2) if t.dim() >= 4 else t for n, t in x.items()}
+        h0 = h0.transpose(-1, -2).contiguous().transpose(-1, -2)
     do, dht = torch.randn_like(x["v"]), torch.randn_like(h0)
     args = (do, dht, x["q"], x["k"], x["v"], x["g"], x["beta"], 0.5, h0, cu, x["A_log"], x["dt_bias"], None,
             True, True, True, True)  # fmt: skip

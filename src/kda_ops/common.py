@@ -63,10 +63,11 @@ def forward_outputs(
     q: Tensor, v: Tensor, cu_seqlens: Tensor | None, output_final_state: bool, state_v_first: bool = False
 ) -> tuple[Tensor, Tensor]:
     """Uninitialised ``o [B, T, HV, V]`` (v's dtype) and final state ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
-    ``state_v_first``; ``(0,)`` when not asked)."""
+    ``state_v_first``; ``(0,)`` when not asked), contiguous whatever v's strides: the kernels write ``o`` as a
+    contiguous tensor, and the fake functions must give the strides the kernels return."""
     K = q.shape[-1]
     HV, V = v.shape[2], v.shape[3]
-    o = torch.empty_like(v)
+    o = torch.empty_like(v, memory_format=torch.contiguous_format)
     shape = state_shape(num_sequences(q, cu_seqlens), HV, K, V, state_v_first) if output_final_state else (0,)
     return o, v.new_empty(shape, dtype=state_dtype(v))
 
@@ -87,21 +88,13 @@ def backward_outputs(
     A_log: Tensor | None,
     dt_bias: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Uninitialised gradients shaped like their inputs; ``(0,)`` for an absent optional input."""
+    """Uninitialised gradients shaped like their inputs, contiguous (as :func:`forward_outputs`); ``(0,)`` for an
+    absent optional input."""
 
     def like(x: Tensor | None) -> Tensor:
-        return q.new_empty(0) if x is None else torch.empty_like(x)
+        return q.new_empty(0) if x is None else torch.empty_like(x, memory_format=torch.contiguous_format)
 
-    return (
-        torch.empty_like(q),
-        torch.empty_like(k),
-        torch.empty_like(v),
-        torch.empty_like(g),
-        torch.empty_like(beta),
-        like(initial_state),
-        like(A_log),
-        like(dt_bias),
-    )
+    return (like(q), like(k), like(v), like(g), like(beta), like(initial_state), like(A_log), like(dt_bias))
 
 
 # The oldest triton the Triton kernels are tested with (the CPU matrix's interpreter legs, the H200's compiled

@@ -305,8 +305,9 @@ def _backward(op: str, ref: Callable[..., tuple[Optional[Tensor], ...]]) -> Any:
         )  # fmt: skip
         kernel = _triton_kernel(op) if uses_triton(op, q.device, q, v) else ref
         grads = kernel(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts)
-        # a fresh empty tensor each: outputs of a custom op may not alias one another
-        return tuple(q.new_empty(0) if x is None else x for x in grads)  # type: ignore[return-value]
+        # a fresh empty tensor each: outputs of a custom op may not alias one another; contiguous, as the fake says
+        # (the reference's autograd gives gradients the strides of their inputs)
+        return tuple(q.new_empty(0) if x is None else x.contiguous() for x in grads)  # type: ignore[return-value]
 
     @bwd.register_fake
     def _(
@@ -458,7 +459,7 @@ def chunk_bwd_saved(
     kernel = _triton_only("chunk_bwd_saved", q.device)
     saved = (Mqk, Qt, Kend, Gl, Tm, W, Hin, E, norms)
     grads = kernel(do, dht, q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, opts, saved)
-    return tuple(q.new_empty(0) if x is None else x for x in grads)  # type: ignore[return-value]
+    return tuple(q.new_empty(0) if x is None else x.contiguous() for x in grads)  # type: ignore[return-value]
 
 
 @chunk_bwd_saved.register_fake

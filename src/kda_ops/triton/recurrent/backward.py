@@ -334,8 +334,8 @@ def recurrent_bwd(
     dk = _partials(NV, (B, T, HV, K), v, f)
     dg = _partials(NV, (B, T, HV, K), v, f)
     dbeta = _partials(NV, (B, T, HV), v, f)
-    dv = torch.empty_like(v)
-    dh0 = None if initial_state is None else torch.empty_like(initial_state)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    dh0 = None if initial_state is None else torch.empty_like(initial_state, memory_format=torch.contiguous_format)
     dA = v.new_empty((NV, N, HV), dtype=f) if has_A else None
     ddt = v.new_empty((NV, N, HV, K), dtype=f) if has_dt else None
     ckpt = v.new_empty(((TOT + C - 1) // C + N, HV, V, K), dtype=f)
