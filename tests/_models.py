@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
@@ -44,3 +46,22 @@ def copy_task(batch: int, T: int, vocab: int, device: str | torch.device, seed: 
     gen = torch.Generator().manual_seed(seed)
     half = torch.randint(0, vocab, (batch, T // 2), generator=gen)
     return torch.cat([half, half], dim=1).to(device)
+
+
+# A two-layer transformers Kimi Linear model (one KDA layer of two heads, one attention layer, dense MLPs), tiny.
+KIMI_LINEAR_TINY = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+    num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+    v_head_dim=16, linear_num_heads=2, linear_head_dim=16, layer_types=["linear_attention", "full_attention"],
+    mlp_layer_types=["dense", "dense"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+
+
+def kimi_linear_model(**sizes: Any) -> Any:
+    """transformers' ``KimiLinearForCausalLM`` of :data:`KIMI_LINEAR_TINY` with ``sizes`` replaced, seeded weights,
+    in eval mode (transformers imported here: the package does not depend on it)."""
+    from transformers import KimiLinearConfig
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearForCausalLM
+
+    torch.manual_seed(0)
+    return KimiLinearForCausalLM(KimiLinearConfig(**{**KIMI_LINEAR_TINY, **sizes})).eval()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kda_ops.testing import assert_rel
+from tests._models import kimi_linear_model
 
 modeling = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
 from kda_ops.integrations import transformers as integration  # noqa: E402
@@ -30,16 +31,7 @@ def restored() -> Iterator[None]:
 
 
 def tiny_model() -> Any:
-    from transformers import KimiLinearConfig
-
-    config = KimiLinearConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-        v_head_dim=16, linear_num_heads=2, linear_head_dim=16, layer_types=["linear_attention", "full_attention"],
-        mlp_layer_types=["dense", "dense"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return modeling.KimiLinearForCausalLM(config).eval()
+    return kimi_linear_model()
 
 
 @pytest.mark.usefixtures("restored")

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kda_ops.testing import rel_err
+from tests._models import kimi_linear_model
 
 pytestmark = pytest.mark.gpu
 modeling = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
@@ -39,16 +40,9 @@ def torch_path() -> Iterator[None]:
 def kimi(dtype: torch.dtype) -> Any:
     """A two-layer Kimi Linear model (one KDA layer of two 128-wide heads, one attention layer), same weights for
     every dtype."""
-    from transformers import KimiLinearConfig
-
-    config = KimiLinearConfig(
-        vocab_size=256, hidden_size=256, intermediate_size=512, moe_intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32,
-        v_head_dim=64, linear_num_heads=2, linear_head_dim=128, layer_types=["linear_attention", "full_attention"],
-        mlp_layer_types=["dense", "dense"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return modeling.KimiLinearForCausalLM(config).to(DEV, dtype).eval()
+    return kimi_linear_model(vocab_size=256, hidden_size=256, intermediate_size=512, moe_intermediate_size=64,
+                             kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=64,
+                             linear_head_dim=128).to(DEV, dtype)  # fmt: skip
 
 
 def prompt(T: int) -> torch.Tensor:
