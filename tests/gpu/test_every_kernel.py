@@ -92,9 +92,13 @@ def _forms(forms: dict[str, Any]) -> Iterator[None]:
 
 def _oracle(leaves: dict[str, torch.Tensor], kw: dict[str, Any], h0: torch.Tensor, cu: torch.Tensor | None,
             cot: tuple[torch.Tensor, torch.Tensor], grad: bool = True) -> dict[str, torch.Tensor]:  # fmt: skip
-    d = {n: t.to(F64) for n, t in leaves.items()}
-    kd = {n: (v.to(F64) if isinstance(v, torch.Tensor) else v) for n, v in kw.items()}
-    return _run(naive_recurrent_kda, d, {**kd, "cu_seqlens": cu}, h0.to(F64), grad, cot)
+    # on the CPU: the per-token loop is thousands of tiny launches on the GPU, each one slow under the sanitizer
+    d = {n: t.to("cpu", F64) for n, t in leaves.items()}
+    kd = {n: (v.to("cpu", F64) if isinstance(v, torch.Tensor) else v) for n, v in kw.items()}
+    cu_cpu = cu.cpu() if cu is not None else None
+    out = _run(naive_recurrent_kda, d, {**kd, "cu_seqlens": cu_cpu}, h0.to("cpu", F64), grad,
+               (cot[0].cpu(), cot[1].cpu()))  # fmt: skip
+    return {n: t.to(DEV) for n, t in out.items()}
 
 
 @pytest.mark.parametrize("case", CHUNK_CASES, ids=[c[0] for c in CHUNK_CASES])
