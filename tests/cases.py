@@ -166,3 +166,17 @@ def assert_compiles_like_eager(step: Any, leaves: list[torch.Tensor]) -> None:
     torch.testing.assert_close(loss_c, loss)
     for a, b in zip(grads_c, grads):
         torch.testing.assert_close(a, b)
+
+
+# ------------------------------------------------------------------------------------------------ layouts
+
+
+def batch_transposed(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values, stored time-major: ``[B, T, ...]`` with strides of a transposed ``[T, B, ...]``."""
+    dims = (1, 0, *range(2, t.dim()))
+    return t.permute(dims).contiguous().permute(dims)
+
+
+def state_transposed(s: torch.Tensor) -> torch.Tensor:
+    """``s``'s values, stored with its last two dimensions swapped."""
+    return s.transpose(-1, -2).contiguous().transpose(-1, -2)

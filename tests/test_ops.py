@@ -12,7 +12,7 @@ import kda_ops
 from kda_ops import ops
 from kda_ops.reference import naive_recurrent_kda
 from kda_ops.testing import make_inputs, make_state, rel_err
-from tests.cases import assert_compiles_like_eager
+from tests.cases import assert_compiles_like_eager, batch_transposed, state_transposed
 
 F64 = torch.float64
 SCHEDULES = {"chunk": kda_ops.chunk_kda, "recurrent": kda_ops.recurrent_kda}
@@ -106,12 +106,6 @@ OPCHECK_CASES = {
 }
 
 
-def _time_major(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s values stored time-major: ``[B, T, ...]`` with the strides of a transposed ``[T, B, ...]``."""
-    dims = (1, 0, *range(2, t.dim()))
-    return t.permute(dims).contiguous().permute(dims)
-
-
 @pytest.mark.parametrize("case", OPCHECK_CASES)
 @pytest.mark.parametrize("op", ["chunk", "recurrent"])
 @pytest.mark.parametrize("requires_grad", [False, True])
@@ -122,8 +116,8 @@ def test_opcheck_forward(case: str, op: str, requires_grad: bool) -> None:
     cu = torch.tensor([0, 3, 3, 12]) if c.get("cu") else None
     h0 = make_state(3 if cu is not None else B, 2, 4, 4) if c.get("h0") else None
     if c.get("transposed"):
-        x = {n: _time_major(t) if t.dim() >= 3 else t for n, t in x.items()}
-        h0 = None if h0 is None else h0.transpose(-1, -2).contiguous().transpose(-1, -2)
+        x = {n: batch_transposed(t) if t.dim() >= 3 else t for n, t in x.items()}
+        h0 = None if h0 is None else state_transposed(h0)
     if requires_grad:
         x = {n: t.requires_grad_() for n, t in x.items()}
         h0 = None if h0 is None else h0.requires_grad_()
@@ -139,7 +133,7 @@ def test_opcheck_backward(op: str, transposed: bool) -> None:
     h0 = make_state(2, 2, 4, 4)
     if transposed:  # dense, not contiguous: the gradients contiguous
         x = {n: t.transpose(1, 2).contiguous().transpose(1, 2) if t.dim() >= 4 else t for n, t in x.items()}
-        h0 = h0.transpose(-1, -2).contiguous().transpose(-1, -2)
+        h0 = state_transposed(h0)
     do, dht = torch.randn_like(x["v"]), torch.randn_like(h0)
     args = (do, dht, x["q"], x["k"], x["v"], x["g"], x["beta"], 0.5, h0, cu, x["A_log"], x["dt_bias"], None,
             True, True, True, True)  # fmt: skip

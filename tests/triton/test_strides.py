@@ -12,19 +12,9 @@ from torch import Tensor
 
 import kda_ops
 from kda_ops.testing import make_inputs, make_state
+from tests.cases import batch_transposed, state_transposed
 
 NAMES = ("q", "k", "v", "g", "beta")
-
-
-def batch_transposed(t: Tensor) -> Tensor:
-    """``t``'s values, stored time-major: ``[B, T, ...]`` with strides of a transposed ``[T, B, ...]``."""
-    dims = (1, 0, *range(2, t.dim()))
-    return t.permute(dims).contiguous().permute(dims)
-
-
-def state_transposed(s: Tensor) -> Tensor:
-    """``s``'s values, stored with its last two dimensions swapped."""
-    return s.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
 def run(fn: Callable[..., tuple[Tensor, Tensor]], x: dict[str, Tensor], h0: Tensor, do: Tensor, dht: Tensor,
