@@ -91,7 +91,8 @@ def chunk_bwd_scan_kernel(
         dS = tl.zeros((BK, BV), dtype=DT)
     # each chunk's tiles load together (stored dtypes) before the step's stores: a load after the store of dE, which
     # it might alias, would wait for it, a second memory round trip per step. Unlike the forward's scan, no step loads
-    # the previous chunk's tiles ahead: that spills 528 B per thread (ptxas, sm_90).
+    # the previous chunk's tiles ahead: that spills 264 B per thread (ptxas, sm_90) and costs more than it hides, the
+    # reverse scan at B1 T32768 H32 bf16 on an H100 3.49 ms against 2.46.
     for jj in range(nc):
         j = j0 + nc - 1 - jj
         c = c0 + j
