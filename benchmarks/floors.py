@@ -43,8 +43,7 @@ def kernels(B: int, T: int, H: int, D: int) -> list[Kernel]:
     K = V = D
     th = B * T * H  # token-heads
     S = B * (T // C) * H  # chunk-heads: one state [K, V] each
-    ch = float(S)
-    mm = 2.0 * ch  # 2 m n k per chunk-head, times the chunk-heads
+    mm = 2.0 * S  # a product's 2 m n k flops per chunk-head, times the chunk-heads
     state = S * K * V * BF16  # Hin or dS', stored in bf16
     final = B * H * K * V * FP32
     norms = 2 * th * FP32
