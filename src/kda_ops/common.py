@@ -19,7 +19,7 @@ from torch import Tensor
 CHUNK_SIZE = 64
 # Tokens per chunk of the Triton kernels (their BT), a divisor of CHUNK_SIZE: the per-chunk states returned are
 # those entering every CHUNK_SIZE // KERNEL_CHUNK_SIZE-th kernel chunk.
-KERNEL_CHUNK_SIZE = 32
+KERNEL_CHUNK_SIZE = 64
 # The l2norm of q and k: x / sqrt(sum(x * x) + L2NORM_EPS), in the reference and every kernel.
 L2NORM_EPS = 1e-6
 # The smallest per-token log decay the kernels use: a g below it, -inf included (a hard reset), acts as it.

@@ -70,14 +70,15 @@ def chunk_states(
     if packed:
         keep = count > 0
         if r > 1:
-            assert cu is not None, "packed per-chunk states of a finer kernel chunk need cu_seqlens"
+            if cu is None:
+                raise ValueError("cu: the flat cu_seqlens, needed for packed states of a finer kernel chunk")
             N = cu.shape[0] - 1
             p = torch.arange(num_chunk_slots(B * T, N, C), device=Hin.device, dtype=torch.int64)
-            nch, ends = sequence_chunks(cu, C)
-            nk, ends_k = sequence_chunks(cu, KC)
+            n_c, ends = sequence_chunks(cu, C)
+            n_k, ends_k = sequence_chunks(cu, KC)
             seq = torch.searchsorted(ends, p, right=True).clamp(max=max(N - 1, 0))
             valid = p < ends[-1] if N > 0 else torch.zeros_like(p, dtype=torch.bool)
-            idx = torch.where(valid, ends_k[seq] - nk[seq] + r * (p - (ends[seq] - nch[seq])), 0)
+            idx = torch.where(valid, ends_k[seq] - n_k[seq] + r * (p - (ends[seq] - n_c[seq])), 0)
             Hin, keep = Hin[idx], valid
         h: Tensor = torch.where(keep.view(-1, 1, 1, 1), Hin.to(dtype), Hin.new_zeros((), dtype=dtype))
         h = h.unsqueeze(0)

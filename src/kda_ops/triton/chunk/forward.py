@@ -23,7 +23,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kda_ops.common import CHUNK_SIZE, Options, chunk_states_dtype, forward_outputs, num_sequences, state_dtype, state_shape
+from kda_ops.common import (
+    CHUNK_SIZE,
+    Options,
+    chunk_states_dtype,
+    forward_outputs,
+    num_sequences,
+    state_dtype,
+    state_shape,
+)
 from kda_ops.triton.chunk.inputs import transform_inputs
 from kda_ops.triton.chunk.output import chunk_output
 from kda_ops.triton.chunk.precision import Precision, precision_for
