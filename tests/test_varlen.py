@@ -49,30 +49,3 @@ def test_no_sequence() -> None:
     """N = 0 (the public functions reject it; the map still stays in bounds): every slot empty."""
     m = chunk_map(torch.tensor([0]), 1, 10, 16, CPU)
     assert m.count.shape == (1,) and int(m.count.sum()) == 0 and m.offset.numel() == 0
-
-
-@pytest.mark.parametrize("cu_list", [None, [0, 0, 31, 32, 97, 97, 200]])
-def test_chunk_states_of_finer_kernel_chunks(cu_list: list[int] | None) -> None:
-    """The per-chunk states of 64-token chunks gathered from a schedule of 32-token chunks (the Triton kernels' chunk
-    may divide the public one) equal those of a 64-token schedule: float64 reference, dense and packed."""
-    from kda_ops.common import Options
-    from kda_ops.reference.chunk.forward import chunk_fwd_states
-    from kda_ops.testing import make_inputs
-    from kda_ops.varlen import chunk_states
-
-    B, T = (2, 150) if cu_list is None else (1, 200)
-    x = make_inputs(B, T, 1, 16, 16, HV=2, seed=6)
-    args = [x[n].double() for n in ("q", "k", "v", "g", "beta")]
-    cu = None if cu_list is None else torch.tensor(cu_list)
-    opts = Options()
-
-    def states(C: int) -> torch.Tensor:
-        return chunk_fwd_states(*args, 0.25, None, cu, None, None, opts, False, C)[2]
-
-    fine, coarse = states(32), states(64)
-    flat = flat_cu_seqlens(cu, B, T, CPU)
-    count = chunk_slots(flat, B * T, 32).count
-    gathered = chunk_states(fine.flatten(0, 1), count, B, T, cu is not None, 64, torch.float64, cu=flat,
-                            kernel_chunk=32)  # fmt: skip
-    assert gathered.shape == coarse.shape
-    torch.testing.assert_close(gathered, coarse, rtol=1e-10, atol=1e-12)

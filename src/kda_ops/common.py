@@ -14,12 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-# Tokens per chunk of the chunkwise schedule as the public functions see it: the per-chunk states they return, the
-# reference's default, the unit of the serving checkpoints.
+# Tokens per chunk of the chunkwise schedule (the Triton kernels' BT, the reference's default).
 CHUNK_SIZE = 64
-# Tokens per chunk of the Triton kernels (their BT), a divisor of CHUNK_SIZE: the per-chunk states returned are
-# those entering every CHUNK_SIZE // KERNEL_CHUNK_SIZE-th kernel chunk.
-KERNEL_CHUNK_SIZE = 64
 # The l2norm of q and k: x / sqrt(sum(x * x) + L2NORM_EPS), in the reference and every kernel.
 L2NORM_EPS = 1e-6
 # The smallest per-token log decay the kernels use: a g below it, -inf included (a hard reset), acts as it.

@@ -49,42 +49,17 @@ def chunk_states_shape(B: int, T: int, N: int, packed: bool, C: int) -> tuple[in
 
 
 def chunk_states(
-    Hin: Tensor,
-    count: Tensor,
-    B: int,
-    T: int,
-    packed: bool,
-    C: int,
-    dtype: torch.dtype,
-    state_v_first: bool = False,
-    cu: Tensor | None = None,
-    kernel_chunk: int | None = None,
+    Hin: Tensor, count: Tensor, B: int, T: int, packed: bool, C: int, dtype: torch.dtype, state_v_first: bool = False
 ) -> Tensor:
-    """The state entering each chunk of ``C`` tokens, ``[*chunk_states_shape, HV, K, V]`` in ``dtype``, from
-    ``Hin [NC, HV, K, V]`` per slot of ``kernel_chunk`` tokens (default ``C``; a divisor of ``C``: the state entering
-    chunk ``j`` of a sequence is the one entering its kernel chunk ``j * C / kernel_chunk``), ``count``: the tokens
-    of each kernel slot, ``cu``: the sanitized flat ``cu_seqlens`` (needed when packed with ``kernel_chunk < C``).
-    With ``state_v_first`` ``[..., HV, V, K]``: a transposed copy (the chunk kernels keep their states ``[K, V]``)."""
-    KC = C if kernel_chunk is None else kernel_chunk
-    r = C // KC
+    """The state entering each chunk, ``[*chunk_states_shape, HV, K, V]`` in ``dtype``, from ``Hin [NC, HV, K, V]``
+    per chunk slot (``count``: the tokens of each slot). With ``state_v_first`` ``[..., HV, V, K]``: a transposed
+    copy of ``Hin`` (the chunk kernels keep their per-chunk states ``[K, V]``)."""
     if packed:
-        keep = count > 0
-        if r > 1:
-            if cu is None:
-                raise ValueError("cu: the flat cu_seqlens, needed for packed states of a finer kernel chunk")
-            N = cu.shape[0] - 1
-            p = torch.arange(num_chunk_slots(B * T, N, C), device=Hin.device, dtype=torch.int64)
-            n_c, ends = sequence_chunks(cu, C)
-            n_k, ends_k = sequence_chunks(cu, KC)
-            seq = torch.searchsorted(ends, p, right=True).clamp(max=max(N - 1, 0))
-            valid = p < ends[-1] if N > 0 else torch.zeros_like(p, dtype=torch.bool)
-            idx = torch.where(valid, ends_k[seq] - n_k[seq] + r * (p - (ends[seq] - n_c[seq])), 0)
-            Hin, keep = Hin[idx], valid
-        h: Tensor = torch.where(keep.view(-1, 1, 1, 1), Hin.to(dtype), Hin.new_zeros((), dtype=dtype))
+        h: Tensor = torch.where((count > 0).view(-1, 1, 1, 1), Hin.to(dtype), Hin.new_zeros((), dtype=dtype))
         h = h.unsqueeze(0)
     else:
-        nch = (T + KC - 1) // KC
-        h = Hin[: B * nch].to(dtype).unflatten(0, (B, nch))[:, ::r]
+        nch = (T + C - 1) // C
+        h = Hin[: B * nch].to(dtype).unflatten(0, (B, nch))
     return h.transpose(-1, -2).contiguous() if state_v_first else h
 
 

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kda_ops.common import KERNEL_CHUNK_SIZE
+from kda_ops.common import CHUNK_SIZE
 
 
 def _arg_key(args: Sequence[Any]) -> tuple[Any, ...] | None:
@@ -217,7 +217,7 @@ def launch(stage: str, table: Mapping[str, Mapping[str, int]] = LAUNCH, **tiles:
     for name, dim in tiles.items():
         out[name] = min(pow2(dim), cfg[name])
     if narrowed:
-        out["num_warps"] = min(out["num_warps"], max(1, KERNEL_CHUNK_SIZE * min(narrowed) // WARP_BLOCK))
+        out["num_warps"] = min(out["num_warps"], max(1, CHUNK_SIZE * min(narrowed) // WARP_BLOCK))
     return out
 
 

@@ -23,15 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kda_ops.common import (
-    CHUNK_SIZE,
-    Options,
-    chunk_states_dtype,
-    forward_outputs,
-    num_sequences,
-    state_dtype,
-    state_shape,
-)
+from kda_ops.common import Options, chunk_states_dtype, forward_outputs, num_sequences, state_dtype, state_shape
 from kda_ops.triton.chunk.inputs import transform_inputs
 from kda_ops.triton.chunk.output import chunk_output
 from kda_ops.triton.chunk.precision import Precision, precision_for
@@ -114,7 +106,7 @@ def _forward(
         final = final_without_tokens(final, h0, output_final_state)
         if not states:
             return o, final, None
-        lead = chunk_states_shape(B, T, num_sequences(q, cu_seqlens), packed, CHUNK_SIZE)
+        lead = chunk_states_shape(B, T, num_sequences(q, cu_seqlens), packed, BT)
         shape = state_shape(0, v.shape[2], q.shape[3], v.shape[3], opts.state_v_first)[1:]
         return o, final, v.new_zeros(*lead, *shape, dtype=chunk_states_dtype(v))
     p = precision or precision_for(v.dtype)
@@ -141,8 +133,7 @@ def _forward(
     )
     if not states:
         return o, final, None
-    return o, final, chunk_states(Hin, slots.count, B, T, packed, CHUNK_SIZE, chunk_states_dtype(v), opts.state_v_first,
-                                  cu, BT)
+    return o, final, chunk_states(Hin, slots.count, B, T, packed, BT, chunk_states_dtype(v), opts.state_v_first)
 
 
 def chunk_update(

@@ -11,10 +11,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kda_ops.common import KERNEL_CHUNK_SIZE
+from kda_ops.common import CHUNK_SIZE
 from kda_ops.triton.lang import beta_value, rnorm
 
-BT = KERNEL_CHUNK_SIZE  # tokens per chunk
+BT = CHUNK_SIZE  # tokens per chunk
 BC = 16  # tokens per row block: the unit of the overflow-free decays and of the solve
 NB = BT // BC
 
