@@ -177,6 +177,22 @@ def docs(session: nox.Session) -> None:
     session.run("mkdocs", "build", "--strict", "--site-dir", site, *session.posargs, env={"NO_MKDOCS_2_WARNING": "1"})
 
 
+def worker_count(args: list[str]) -> int:
+    """The pytest-xdist workers that ``args`` ask for (``-n N``, ``-nN``, ``--numprocesses N``); 1 when none or
+    ``auto``."""
+    for i, arg in enumerate(args):
+        value = None
+        if arg in ("-n", "--numprocesses") and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith("-n") and len(arg) > 2:
+            value = arg[2:]
+        elif arg.startswith("--numprocesses="):
+            value = arg.partition("=")[2]
+        if value is not None:
+            return int(value) if value.isdigit() else 1
+    return 1
+
+
 @nox.session(venv_backend="none")
 def gpu(session: nox.Session) -> None:
     """The ``gpu``-marked tests in the machine's own Python (the H200: torch 2.11, triton 3.6, no network).
@@ -184,9 +200,15 @@ def gpu(session: nox.Session) -> None:
     Nothing is installed: kda_ops is imported from src/. Without nox there, the same is
     ``PYTHONPATH=src python -m kda_ops && PYTHONPATH=src python -m pytest -m gpu tests``. Arguments after ``--``
     go to pytest: with pytest-xdist installed, ``nox -s gpu -- -n 8`` runs the GPU files in parallel processes
-    (a few minutes on the H200, against ~15 in one process).
+    (a few minutes on the H200, against ~15 in one process). With ``-n N`` each worker's torch gets the machine's
+    cores over N threads unless ``OMP_NUM_THREADS`` is set: the float64 oracles of the every-kernel file run on the
+    CPU, and sixteen threads per worker left that file unfinished after 520 s with 8 workers on a 16-core H100 host,
+    where two per worker ran it with ``tests/triton`` in 95 s.
     """
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    workers = worker_count(session.posargs)
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
     # a GPU job on a machine without a GPU would skip every test and pass: refuse instead
     session.run("python", "-c", "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device')")
     session.run("python", "-m", "kda_ops", env=env)

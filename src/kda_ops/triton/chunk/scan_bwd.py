@@ -141,7 +141,8 @@ def chunk_bwd_scan(
     ``dS'`` is stored once per chunk and read by the dq/dk stage, never carried: the scan's own ``dS`` stays in
     fp32 registers, so a 16-bit ``dsp_dtype`` rounds each stored state once, with no compounding over chunks (the
     forward stores its per-chunk states likewise): the peak memory of forward + backward at B1 T32768 H32 bf16 on
-    an H200 5.39 -> 4.85 GB. ``dE`` stays in the compute dtype: it feeds the 3xTF32 products through ``Tm``.
+    an H200 5.39 -> 4.85 GB. ``dE`` stays in the compute dtype: it feeds the products through ``Tm``, and stored in
+    bf16 it took dv's error at B1 T1000 H32 from 2.43e-3 to 2.92e-3 against float64 (H100).
     """
     T, HV, K = W.shape
     V = dO.shape[2]
