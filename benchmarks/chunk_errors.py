@@ -92,7 +92,7 @@ def deterministic(T: int, runs: int) -> bool:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
-    ap.add_argument("--lengths", type=int, nargs="*", default=sorted(SEEDS), help="sequence lengths T")
+    ap.add_argument("--lengths", type=int, nargs="+", default=sorted(SEEDS), help="sequence lengths T")
     ap.add_argument("--runs", type=int, default=3, help="forward + backward calls compared bit for bit")
     ap.add_argument("--fla-configs", type=int, default=None,
                     help="keep each of fla's autotuned kernels to its N configs of least shared memory")  # fmt: skip
@@ -102,6 +102,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.fla_configs is not None and args.fla_configs < 1:
         ap.error("--fla-configs: expected at least 1")
+    if min(args.lengths) < 1:
+        ap.error("--lengths: expected positive sequence lengths")
     if args.runs < 2:
         ap.error("--runs: expected at least 2")
     if not torch.cuda.is_available():
