@@ -67,37 +67,6 @@ def test_stage_dqk_split_products(blocks: bool, device: torch.device, monkeypatc
         assert_rel(a, b, 1e-5, name)
 
 
-@pytest.mark.parametrize("blocks", [False, True], ids=["anchored", "blocks"])
-def test_stage_dqk_l2norm_chain(blocks: bool, device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``chain`` (one value head per q/k head, raw q and k with their l2norm factors): dq and dk are the raw
-    inputs' gradients, ``r (dy - y (y . dy))`` of the oracle's ``dy``, in the dtypes asked; dg and dbeta as
-    without; both passes (K = 40: the row's dot over two key tiles, the second partial)."""
-    c = bwd_stage_case("normal", H=2, HV=2, K=40, device=device)
-    c.update(dv_inputs(c))
-    _, dbeta, dMqk, dMkk, dKt, Gam = oracle_dv(c["k"], c["v"], c["g"], c["beta"], c["Tm"], c["Hin"], c["E"],
-                                               c["dE"], c["dO"], c["slots"], BT)  # fmt: skip
-    c.update(dbeta=dbeta, dMqk=dMqk, dMkk=dMkk, dKt=dKt, Gam=Gam)
-    ref = oracle_dqk(*(c[n] for n in NAMES), 0.4, c["slots"], BT)
-    gen = torch.Generator().manual_seed(3)
-    r = (0.5 + torch.rand(2, *c["q"].shape[:2], generator=gen, dtype=torch.float64)).to(device)  # [2, T, H]
-    raw = {"q": c["q"] / r[0, ..., None], "k": c["k"] / r[1, ..., None]}  # raw rows whose x r are c's q and k
-    if blocks:
-        monkeypatch.setattr(dqk, "ANCHOR_SPAN", -1.0)
-    prec, _ = bwd_precisions(device, exact=True)
-    args = [raw[n].float() if n in raw else x for n, x in zip(NAMES, f32(c, *NAMES))]
-    with poison_outputs():
-        got = dqk.chunk_bwd_dqk(*args, 0.4, c["slots"], prec, norms=r.float(),
-                                chain=(torch.float32, torch.float32))  # fmt: skip
-    for i, (name, y) in enumerate((("dq", c["q"]), ("dk", c["k"]))):
-        dy = ref[i]
-        want = r[i, ..., None] * (dy - y * (y * dy).sum(-1, keepdim=True))
-        assert_rel(got[i], want, 1e-5, name)
-    for name, a, b in zip(("dg", "dbeta"), got[2:], ref[2:]):
-        assert_rel(a, b, 1e-5, name)
-    with pytest.raises(AssertionError, match="chain"):
-        dqk.chunk_bwd_dqk(*args, 0.4, c["slots"], prec, chain=(torch.float32, torch.float32))
-
-
 @pytest.mark.slow
 def test_stage_dqk_block_pass_equals_anchored_pass(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the anchored span below 0 the first pass flags every chunk and the block pass computes them all: the

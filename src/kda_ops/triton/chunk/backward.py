@@ -139,7 +139,6 @@ def _gradients(
     if saved is not None and opts.use_qk_l2norm:
         norms = saved[8]
     dO = flat(do)
-    chained = False  # dq, dk already the raw inputs' gradients (the dq/dk stage chained the l2norm)
     if B * T == 0:
         N = flat_cu_seqlens(cu_seqlens, B, T, v.device).shape[0] - 1
         zq, zk, zg, zb = (torch.zeros_like(x, dtype=dt) for x in (qf, kf, gf, bf))
@@ -181,20 +180,16 @@ def _gradients(
             dv_dtype=v.dtype, store=store, norms=norms,
         )  # fmt: skip
         del Tm, dE
-        # Without groups the dq/dk stage applies the l2norm's chain rule itself and writes the raw inputs' gradients
-        # in their dtypes: no pass reads its fp32 gradients again
-        chained = norms is not None and G == 1
         dq_v, dk_v, zg, zb = chunk_bwd_dqk(
             q=qp, k=kp, Gam=Gam, Gl=Gl, beta=bp, dMqk=dMqk, dMkk=dMkk, dKt=dKt, Hin=Hin, E=E, dSp=dSp, dO=dO,
             dbeta_partial=dbeta_p, scale=scale, slots=slots, prec=prec_dqk, norms=norms, prec_state=prec,
-            chain=(q.dtype, k.dtype) if chained else None,
         )  # fmt: skip
         dh0 = dh0_ if dh0_ is not None else dSp.new_empty(0)
         del Hin, E, dSp, dMqk, dMkk, dKt, Gam
         # a group's value heads share their q/k head (without groups the view is the sum: no pass over the tensor)
         zq = dq_v if G == 1 else dq_v.view(B * T, H, G, K).sum(2)
         zk = dk_v if G == 1 else dk_v.view(B * T, H, G, K).sum(2)
-    dq, dk, dg, dbeta, dA, ddt = transform_inputs_bwd(qf, kf, gf, bf, A_log, dt_bias, opts, zq, zk, zg, zb, chained)
+    dq, dk, dg, dbeta, dA, ddt = transform_inputs_bwd(qf, kf, gf, bf, A_log, dt_bias, opts, zq, zk, zg, zb)
     return (
         dq.view_as(q).to(q.dtype),
         dk.view_as(k).to(k.dtype),

@@ -181,21 +181,12 @@ def value_products(Hin, dSp, dO, E, s_off, tok, m, i_hv, HV, o_k, m_k, V: tl.con
 
 
 @triton.jit
-def l2norm_chain(x, r, dy, dot, out, tok, m, H, o_k, m_k, K: tl.constexpr, DT: tl.constexpr):
-    """One key tile of the l2norm's gradient ``dx = r (dy - y dot)``, ``y = x r``, into ``out``: ``x, out`` at the
-    head of ``[T, H, K]``, ``dy`` at the value head of ``[T, HV, K]`` with ``HV = H``, ``r, dot [BT]``."""
-    y = load2(x, tok, m, H * K, o_k, m_k, DT) * r[:, None]
-    d = load2(dy, tok, m, H * K, o_k, m_k, DT)
-    store2(out, tok, m, H * K, o_k, m_k, r[:, None] * (d - y * dot[:, None]))
-
-
-@triton.jit
 def chunk_bwd_dqk_kernel(
-    q, k, Nq, Nk, Gam, Gl, beta, dMqk, dMkk, dKt, Hin, E, dSp, dO, dbeta_in, dq, dk, dg, dbeta, dq_x, dk_x, flag,
-    slot_start, slot_count, scale, H, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    q, k, Nq, Nk, Gam, Gl, beta, dMqk, dMkk, dKt, Hin, E, dSp, dO, dbeta_in, dq, dk, dg, dbeta, flag, slot_start,
+    slot_count, scale, H, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, PREC_OH: tl.constexpr,
     PREC_ED: tl.constexpr, DT: tl.constexpr, ASPAN: tl.constexpr, BLOCKS: tl.constexpr,
-    NORMS: tl.constexpr, CHAIN: tl.constexpr,
+    NORMS: tl.constexpr,
 ):  # fmt: skip
     """Two passes over the chunk slots, as stage 2 of the forward. ``BLOCKS = False``: the anchored pass; a chunk
     with a ``|Gam - Gam_mid|`` beyond ``ASPAN`` is flagged (``flag = 1``) and left alone. ``BLOCKS = True``: the
@@ -228,8 +219,6 @@ def chunk_bwd_dqk_kernel(
     db = tl.load(dbeta_in + tok * HV + i_hv, mask=m, other=0.0).to(DT)
     rq = row_factors(Nq, tok, m, i_h, H, DT, NORMS)  # the l2norm factors of the chunk's q and k rows (or 1.0)
     rk = row_factors(Nk, tok, m, i_h, H, DT, NORMS)
-    dot_q = tl.zeros((BT,), dtype=DT)  # CHAIN: y . dy per row of q and of k, over the key tiles
-    dot_k = tl.zeros((BT,), dtype=DT)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = col_mask(o_k, K, BK)
@@ -268,9 +257,6 @@ def chunk_bwd_dqk_kernel(
         Ke = kk * eE
         dk_t += eE * dKe
         dGam -= Ke * dKe
-        if CHAIN:
-            dot_q += tl.sum(qq * dq_t, axis=1)
-            dot_k += tl.sum(kk * dk_t, axis=1)
         # the tile's stores after all of its loads: a load after a store it might alias cannot be issued early
         store2(dq + i_hv * K, tok, m, HV * K, o_k, m_k, dq_t)
         store2(dk + i_hv * K, tok, m, HV * K, o_k, m_k, dk_t)
@@ -278,15 +264,6 @@ def chunk_bwd_dqk_kernel(
         dGam += tl.where(rows[:, None] == BT - 1, dGl[None, :], 0.0)
         store2(dg + i_hv * K, tok, m, HV * K, o_k, m_k, tl.cumsum(dGam, axis=0, reverse=True))
     tl.store(dbeta + tok * HV + i_hv, db.to(dbeta.dtype.element_ty), mask=m)
-    if CHAIN:
-        # the l2norm's chain rule needs the whole row's y . dy, known only after the key loop: the tiles of dy stored
-        # above are read back (from L2) by other threads of the program, hence the barrier
-        tl.debug_barrier()
-        for i_k in range(tl.cdiv(K, BK)):
-            o_k = i_k * BK + tl.arange(0, BK)
-            m_k = col_mask(o_k, K, BK)
-            l2norm_chain(q + i_h * K, rq, dq + i_hv * K, dot_q, dq_x + i_h * K, tok, m, H, o_k, m_k, K, DT)
-            l2norm_chain(k + i_h * K, rk, dk + i_hv * K, dot_k, dk_x + i_h * K, tok, m, H, o_k, m_k, K, DT)
 
 
 def chunk_bwd_dqk(
@@ -308,7 +285,6 @@ def chunk_bwd_dqk(
     prec: str,
     norms: Tensor | None = None,
     prec_state: str | None = None,
-    chain: tuple[torch.dtype, torch.dtype] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dg [T, HV, K], dbeta [T, HV])`` per value head, in the compute dtype (``Gl``'s).
 
@@ -316,11 +292,6 @@ def chunk_bwd_dqk(
     ``Gl [NC, HV, K]``, ``Hin [NC, HV, K, V]``, ``E [T, HV, V]`` from the recomputed forward; ``dS' [NC, HV, K, V]``
     from the reverse scan. dq and dk are per value head: the caller sums a group's heads. ``norms [2, T, H]``
     (optional): the l2norm factors of q's and k's rows, with ``q, k`` raw (normalised as they load).
-
-    ``chain`` (with ``norms``, one value head per q/k head): dq and dk come out as the gradients of the raw q and k,
-    the l2norm's chain rule applied in the kernel, in these two dtypes. The per-head gradients of the normalised q
-    and k it chains are then scratch, and the pass of :func:`~kda_ops.triton.chunk.l2norm.l2norm_bwd` over them
-    is saved.
     """
     T, H, K = q.shape
     HV = Gam.shape[1]
@@ -332,26 +303,18 @@ def chunk_bwd_dqk(
     dg = q.new_empty(T, HV, K, dtype=dt)
     dbeta = q.new_empty(T, HV, dtype=dt)
     flag = q.new_empty(NC, HV, dtype=torch.int8)
-    assert chain is None or (norms is not None and HV == H), "chunk_bwd_dqk: the chain rule needs norms and HV = H"
-    dq_x = dk_x = None
-    if chain is not None:
-        dq_x = q.new_empty(T, H, K, dtype=chain[0])
-        dk_x = k.new_empty(T, H, K, dtype=chain[1])
-    poison(dq, dk, dg, dbeta, dq_x, dk_x)
+    poison(dq, dk, dg, dbeta)
     nq, nk = (None, None) if norms is None else (norms[0], norms[1])
     ps = prec if prec_state is None else prec_state
     for blocks in (False, True):
         chunk_bwd_dqk_kernel[(NC, HV)](
             contiguous(q), contiguous(k), nq, nk, Gam, Gl, contiguous(beta), dMqk, dMkk, dKt, Hin, contiguous(E),
-            dSp, contiguous(dO), dbeta_partial, dq, dk, dg, dbeta, dq_x, dk_x, flag, slots.start, slots.count,
-            float(scale), H, HV,
+            dSp, contiguous(dO), dbeta_partial, dq, dk, dg, dbeta, flag, slots.start, slots.count, float(scale), H, HV,
             K=K, V=V, NB=NB, BC=BC, BT=BT, PREC=prec, PREC_OH=exact_bf16(ps, dO, Hin),
             PREC_ED=exact_bf16(ps, E, dSp), DT=compute_dtype(Gl), ASPAN=ANCHOR_SPAN, BLOCKS=blocks,
-            NORMS=norms is not None, CHAIN=chain is not None,
+            NORMS=norms is not None,
             **launch("dqk_blocks" if blocks else "dqk_split" if prec == "tf32x2" else "dqk", BK=K, BV=V),
         )  # fmt: skip
-    if dq_x is not None and dk_x is not None:
-        return dq_x, dk_x, dg, dbeta
     return dq, dk, dg, dbeta
 
 

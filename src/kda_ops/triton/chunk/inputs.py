@@ -43,16 +43,15 @@ def transform_inputs(
 
 def transform_inputs_bwd(
     q: Tensor, k: Tensor, g: Tensor, beta: Tensor, A_log: Tensor | None, dt_bias: Tensor | None, opts: Options,
-    dq: Tensor, dk: Tensor, dg: Tensor, dbeta: Tensor, chained: bool = False,
+    dq: Tensor, dk: Tensor, dg: Tensor, dbeta: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:  # fmt: skip
     """Chain the gradients of the prepared tensors to the raw inputs (in dq's dtype; with l2norm, dq and dk come out
-    of its gradient kernel in q's and k's own dtypes: no conversion pass afterwards). ``chained``: dq and dk are
-    the raw inputs' gradients already (the dq/dk stage applied the l2norm's chain rule).
+    of its gradient kernel in q's and k's own dtypes: no conversion pass afterwards).
 
     Returns ``(dq, dk, dg, dbeta, dA_log, ddt_bias)``; the last two are None unless the gate is in kernel.
     """
-    dtype = dg.dtype  # the compute dtype (chained dq and dk are in the inputs' dtypes)
-    if opts.use_qk_l2norm and not chained:
+    dtype = dq.dtype
+    if opts.use_qk_l2norm:
         dq, dk = l2norm_bwd(q, dq, q.dtype), l2norm_bwd(k, dk, k.dtype)
     dA: Tensor | None = None
     ddt: Tensor | None = None
