@@ -37,7 +37,7 @@ from kda_ops.varlen import flat_cu_seqlens
 
 def product_precisions(dtype: torch.dtype) -> tuple[str, str, str]:
     """``(PREC, PREC_T, PREC_DQK)`` of the gradient kernels: the products of the reverse scan and the dv stage, the
-    two through the inverse ``Tm``, and the dq/dk stage's.
+    dv stage's ``X E^T`` (the gradient through the inverse ``Tm``), and the dq/dk stage's.
 
     fp64 exact; fp32 3xTF32 (~2e-7 a product); 16-bit tf32 (~3e-4 a product, within the 8e-3 budget of the gradients),
     3xTF32 through the inverse (the error hot spot). fp16 rounds fp32 operands to nearest TF32 rather than letting the

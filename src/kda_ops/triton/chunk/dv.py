@@ -6,12 +6,16 @@ gradient ``dE`` (stage 2) and ``dO`` (``docs/math.md``, "Chunk backward")::
     dMqk = tril(dO E^T)                                            (with the diagonal)         [BT, BT]
     X    = Tm^T dE,    dv = beta X,    dbeta  = rowsum(X * v)       through U = Tm diag(beta) V
     dW   = -dE S^T,    Y = Tm^T dW,    dKt = beta Y,   dbeta += rowsum(Y * Kt)   through W = Tm diag(beta) Kt
-    dT   = dE (diag(beta) V)^T + dW (diag(beta) Kt)^T
-    dMkk = -tril(Tm^T dT Tm^T, -1)                                 through Tm = (I + Mkk)^-1
+    dMkk = -tril(X E^T, -1)                                        through Tm = (I + Mkk)^-1
 
 and stores ``Gam`` (the chunk-local cumulative log decay, for stage 3b). ``dv`` is final; ``dbeta`` is partial
 (stage 3b adds the part through ``Mkk``); ``dMqk``, ``dMkk`` (``[T, HV, BT]`` rows, like the forward's ``Mqk``) and
-``dKt`` (``[T, HV, K]``) feed stage 3b. Products take ``PREC``; the two through the inverse take ``PREC_T``.
+``dKt`` (``[T, HV, K]``) feed stage 3b. Products take ``PREC``; ``X E^T`` takes ``PREC_T``.
+
+``dMkk`` is ``-tril(Tm^T dT Tm^T, -1)`` for the gradient ``dT`` of ``Tm``, ``dE (diag(beta) V)^T + dW (diag(beta)
+Kt)^T = dE (diag(beta) (V - Kt S))^T = dE ((I + Mkk) E)^T``, so ``-Tm^T dT Tm^T = -X E^T``: one product per value
+tile from the ``X`` that ``dv`` needs anyway, instead of the key tiles' share of ``dT`` and two ``[BT, BT, BT]``
+products through the inverse.
 """
 
 from __future__ import annotations
@@ -43,15 +47,14 @@ def chunk_bwd_dv_kernel(
     m_c = col_mask(cols, BT, BT)
     TmT = tl.trans(load2(Tm + i_hv * BT, tok, m, HV * BT, cols, m_c, DT))  # [BT, BT]
     if PREC == "tf32rn":
-        # rounded once, not kept beside the exact inverse through the loops (which spilled 208 B per thread, sm_90):
-        # the products through it round it again to the same values, and dMk below reloads it exact
+        # rounded once, not per product: the products through it round it again to the same values
         TmT = tf32_nearest(TmT)
     b = tl.load(beta + tok * HV + i_hv, mask=m, other=0.0).to(DT)  # [BT]
     rk = row_factors(Nk, tok, m, i_h, H, DT, NORMS)  # the l2norm factors of the chunk's k rows (or 1.0)
     dA = tl.zeros((BT, BT), dtype=DT)
-    dT = tl.zeros((BT, BT), dtype=DT)
+    dMk = tl.zeros((BT, BT), dtype=DT)
     db = tl.zeros((BT,), dtype=DT)
-    # value side: dMqk, dv and its share of dbeta and dT
+    # value side: dMqk, dv, its share of dbeta, and dMkk = -tril(X E^T, -1)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = col_mask(o_v, V, BV)
@@ -63,8 +66,8 @@ def chunk_bwd_dv_kernel(
         X = mm(TmT, de, PREC, DT)
         store2(dv + i_hv * V, tok, m, HV * V, o_v, m_v, b[:, None] * X)
         db += tl.sum(X * vv, axis=1)
-        dT += mm(de, tl.trans(vv * b[:, None]), PREC, DT)
-    # key side: dW = -dE S^T per key tile, its share of dT, dKt and dbeta; Gam stored for stage 3b
+        dMk -= mm(X, tl.trans(e), PREC_T, DT)
+    # key side: dW = -dE S^T per key tile, dKt and its share of dbeta; Gam stored for stage 3b
     s_off = (i_c.to(tl.int64) * HV + i_hv) * K * V
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
@@ -81,15 +84,11 @@ def chunk_bwd_dv_kernel(
             h = tl.load(Hin + s_off + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
                         other=0.0).to(DT)  # [BK, BV]  # fmt: skip
             dW -= mm(de, tl.trans(h), PREC, DT)
-        dT += mm(dW, tl.trans(Kt * b[:, None]), PREC, DT)
         Y = mm(TmT, dW, PREC, DT)
         store2(dKt + i_hv * K, tok, m, HV * K, o_k, m_k, b[:, None] * Y)
         db += tl.sum(Y * Kt, axis=1)
     r2 = tl.arange(0, BT)[:, None]
     c2 = tl.arange(0, BT)[None, :]
-    if PREC == "tf32rn":
-        TmT = tl.trans(load2(Tm + i_hv * BT, tok, m, HV * BT, cols, m_c, DT))
-    dMk = -mm(mm(TmT, dT, PREC_T, DT), TmT, PREC_T, DT)
     store2(dMqk + i_hv * BT, tok, m, HV * BT, cols, m_c, tl.where(c2 <= r2, dA, 0.0))
     store2(dMkk + i_hv * BT, tok, m, HV * BT, cols, m_c, tl.where(c2 < r2, dMk, 0.0))
     tl.store(dbeta + tok * HV + i_hv, db.to(dbeta.dtype.element_ty), mask=m)
