@@ -189,8 +189,8 @@ def chunk_bwd_dqk_kernel(
     NORMS: tl.constexpr,
 ):  # fmt: skip
     """Two passes over the chunk slots, as stage 2 of the forward. ``BLOCKS = False``: the anchored pass; a chunk
-    with a ``|Gam - Gam_mid|`` beyond ``ASPAN`` is flagged (``flag = 1``) and left alone. ``BLOCKS = True``: the
-    block pass, for the flagged chunks only."""
+    with a ``|Gam - Gam_mid|`` beyond ``ASPAN`` is flagged (``flag = 1``). ``BLOCKS = True``: the block pass, for the
+    flagged chunks only, overwriting what the anchored pass stored for them."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
@@ -204,17 +204,9 @@ def chunk_bwd_dqk_kernel(
     if BLOCKS:
         if tl.load(p_flag) == 0:
             return
-    else:
-        ok = True
-        for i_k in range(tl.cdiv(K, BK)):
-            o_k = i_k * BK + tl.arange(0, BK)
-            m_k = col_mask(o_k, K, BK)
-            Gm = load2(Gam + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
-            Gmid = tl.load(p_mid + o_k, mask=m_k, other=0.0).to(DT)
-            ok = ok & (max2(tl.where(m[:, None], tl.abs(Gm - Gmid[None, :]), 0.0)) <= ASPAN)
-        tl.store(p_flag, tl.where(ok, 0, 1).to(flag.dtype.element_ty))
-        if not ok:
-            return
+    # the anchored pass checks the span on the tiles it loads anyway and stores a flagged chunk's (finite, clamped)
+    # tiles regardless: the block pass overwrites every output of that chunk
+    ok = True
     s_off = (i_c.to(tl.int64) * HV + i_hv) * K * V
     db = tl.load(dbeta_in + tok * HV + i_hv, mask=m, other=0.0).to(DT)
     rq = row_factors(Nq, tok, m, i_h, H, DT, NORMS)  # the l2norm factors of the chunk's q and k rows (or 1.0)
@@ -235,6 +227,7 @@ def chunk_bwd_dqk_kernel(
             kk = scale_rows(load2(k + i_h * K, tok, m, H * K, o_k, m_k, DT), rk, NORMS)
             Gm = load2(Gam + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
             Gmid = tl.load(p_mid + o_k, mask=m_k, other=0.0).to(DT)
+            ok = ok & (max2(tl.where(m[:, None], tl.abs(Gm - Gmid[None, :]), 0.0)) <= ASPAN)
             daq, dak, dbk, dbeta_kk = anchored_bwd(qq, kk, Gm, Gmid, dMqk, dMkk, beta, tok, m, i_hv, HV, scale, BT,
                                                    PREC, DT, ASPAN)  # fmt: skip
         dkt = load2(dKt + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
@@ -264,6 +257,8 @@ def chunk_bwd_dqk_kernel(
         dGam += tl.where(rows[:, None] == BT - 1, dGl[None, :], 0.0)
         store2(dg + i_hv * K, tok, m, HV * K, o_k, m_k, tl.cumsum(dGam, axis=0, reverse=True))
     tl.store(dbeta + tok * HV + i_hv, db.to(dbeta.dtype.element_ty), mask=m)
+    if not BLOCKS:
+        tl.store(p_flag, tl.where(ok, 0, 1).to(flag.dtype.element_ty))
 
 
 def chunk_bwd_dqk(
