@@ -15,6 +15,7 @@ must not spill more than :data:`BACKWARD_MAX_STACK` bytes per thread; the recurr
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -388,10 +389,44 @@ TABLES: dict[str, Callable[[], dict[str, Variant]]] = {
 }
 
 
+def split_arguments(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """``argv`` as sources and ``NAME=VALUE`` overrides, each value a Python literal (``BV=64``, ``num_warps=4``,
+    ``PREC='tf32'``); a ValueError names the argument that is neither."""
+    sources: list[str] = []
+    over: dict[str, Any] = {}
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        if not eq:
+            sources.append(arg)
+            continue
+        try:
+            if not name.isidentifier():
+                raise ValueError(name)
+            over[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError) as e:
+            raise ValueError(f"argument {arg!r}: expected SOURCE or NAME=LITERAL") from e
+    return sources, over
+
+
+def with_overrides(names: list[str], args: dict[str, Any], warps: int, stages: int,
+                   over: dict[str, Any]) -> tuple[dict[str, Any], int, int]:  # fmt: skip
+    """A variant's arguments, warps and stages with the overrides that apply to its kernel (``num_warps``,
+    ``num_stages``, and the kernel's parameters ``names``: its tiles, its constexpr forms) in place of its own."""
+    args = {**args, **{k: v for k, v in over.items() if k in names}}
+    return args, int(over.get("num_warps", warps)), int(over.get("num_stages", stages))
+
+
 def main(argv: list[str]) -> int:
-    """Compile the variants of the sources ``argv`` (every variant without arguments); a variant whose source has
-    no test (not in :data:`SOURCES`) is reported as a failure."""
-    wanted = set(argv) or set(SOURCES)
+    """Compile the variants of the sources in ``argv`` (every variant without any); a variant whose source has no
+    test (not in :data:`SOURCES`) is reported as a failure. ``NAME=VALUE`` arguments (:func:`split_arguments`)
+    override every variant's launch or kernel parameters of that name: a launch or a kernel form probed for sm_90
+    without a GPU (``python -m tests.triton.sm90 chunk.dqk BK=64 num_warps=4``)."""
+    try:
+        sources, over = split_arguments(argv)
+    except ValueError as e:
+        print(json.dumps({"variant": "arguments", "ok": False, "error": str(e)}))
+        return 1
+    wanted = set(sources) or set(SOURCES)
     unknown = wanted - set(SOURCES)
     if unknown:
         print(json.dumps({"variant": "arguments", "ok": False, "error": f"unknown sources {sorted(unknown)}"}))
@@ -406,6 +441,7 @@ def main(argv: list[str]) -> int:
                 continue
             if source not in wanted:
                 continue
+            args, warps, stages = with_overrides(jit_function(kernel).arg_names, args, warps, stages, over)
             try:
                 info: dict[str, Any] = {"variant": name, "source": source, "ok": True, "num_warps": warps,
                                         **resources(build(kernel, args, warps, stages))}  # fmt: skip
