@@ -432,6 +432,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps({"variant": "arguments", "ok": False, "error": f"unknown sources {sorted(unknown)}"}))
         return 1
     failures = 0
+    applied: set[str] = set()
     for family in sorted({source.split(".")[0] for source in wanted}):
         for name, (source, kernel, args, warps, stages) in TABLES[family]().items():
             if source not in SOURCES:
@@ -441,7 +442,9 @@ def main(argv: list[str]) -> int:
                 continue
             if source not in wanted:
                 continue
-            args, warps, stages = with_overrides(jit_function(kernel).arg_names, args, warps, stages, over)
+            names = jit_function(kernel).arg_names
+            applied.update(k for k in over if k in names or k in ("num_warps", "num_stages"))
+            args, warps, stages = with_overrides(names, args, warps, stages, over)
             try:
                 info: dict[str, Any] = {"variant": name, "source": source, "ok": True, "num_warps": warps,
                                         **resources(build(kernel, args, warps, stages))}  # fmt: skip
@@ -460,6 +463,11 @@ def main(argv: list[str]) -> int:
                 error = f"{type(e).__name__}: {str(e)[-2000:]}"
                 info = {"variant": name, "source": source, "ok": False, "error": error}
             print(json.dumps(info), flush=True)
+    unused = sorted(set(over) - applied)
+    if unused:  # a misspelt override would otherwise leave every variant as configured, silently
+        failures += 1
+        error = f"overrides {unused} name no parameter of a compiled variant's kernel"
+        print(json.dumps({"variant": "arguments", "ok": False, "error": error}))
     return 1 if failures else 0
 
 

@@ -51,3 +51,14 @@ def test_the_override_reaches_the_build() -> None:
     records = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     assert run.returncode == 0, run.stderr[-3000:]
     assert records and all(r["ok"] and r["num_warps"] == 2 for r in records)
+
+
+def test_an_override_of_no_parameter_fails_the_run() -> None:
+    triton = pytest.importorskip("triton", minversion="3.6")
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this triton build has no bundled ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "tests.triton.sm90", "chunk.l2norm", "BKK=64"], capture_output=True,
+                         text=True, env=env, cwd=ROOT, timeout=600)  # fmt: skip
+    assert run.returncode == 1
+    assert "['BKK']" in json.loads(run.stdout.splitlines()[-1])["error"]
