@@ -1,4 +1,5 @@
-"""Compile the Triton kernels for an H100/H200 (sm_90) without a GPU: ``python -m tests.triton.sm90 [SOURCE ...]``.
+"""Compile the Triton kernels for an H100/H200 (sm_90) without a GPU: ``python -m tests.triton.sm90 [SOURCE ...]
+[NAME=VALUE ...]`` (the overrides probe a launch or a kernel form: :func:`main`).
 
 The interpreter runs the kernels' semantics on the CPU but never lowers them to the GPU; a kernel that interprets
 fine can still fail to compile for sm_90 (layouts, dot shapes, loop-carried types). This script builds each kernel
@@ -474,19 +475,25 @@ def main(argv: list[str]) -> int:
 # --------------------------------------------------------------------------------------------- the tests
 
 
-def check_compiles(source: str, no_spills: Callable[[str], bool] = lambda name: False) -> list[dict[str, Any]]:
-    """Compile the variants of ``source`` in a subprocess without ``TRITON_INTERPRET`` and assert that each
-    compiled (and, for the variants ``no_spills`` names, that none spills); returns their JSON records. Skips when
-    this triton has no bundled ptxas. Runs, and means the same, on a machine with a GPU."""
+def probe(*argv: str) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
+    """This script run on ``argv`` in a subprocess without ``TRITON_INTERPRET``: the process and its JSON records.
+    Skips when this triton has no bundled ptxas."""
     import pytest
 
     triton = pytest.importorskip("triton", minversion="3.6")
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this triton build has no bundled ptxas")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "tests.triton.sm90", source], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-m", "tests.triton.sm90", *argv], capture_output=True, text=True,
                          env=env, cwd=ROOT, timeout=1800)  # fmt: skip
-    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    return run, [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+
+
+def check_compiles(source: str, no_spills: Callable[[str], bool] = lambda name: False) -> list[dict[str, Any]]:
+    """Compile the variants of ``source`` (:func:`probe`) and assert that each compiled (and, for the variants
+    ``no_spills`` names, that none spills); returns their JSON records. Runs, and means the same, on a machine with
+    a GPU."""
+    run, results = probe(source)
     assert results, f"no result from tests/triton/sm90.py {source}: {run.stderr[-3000:]}"
     failed = [f"{r['variant']}: {r['error']}" for r in results if not r["ok"]]
     assert not failed, "\n".join(failed)
