@@ -31,11 +31,13 @@ from kda_ops.triton.launch import cdiv, compute_dtype, contiguous, launch, poiso
 def chunk_tiles(dO, Mqk, Kend, Qt, W, Gl, tok, m, c, i_hv, HV, o_k, m_k, o_v, m_v, rows, m_r,
                 K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
     """The reverse scan's inputs of chunk slot ``c`` (rows ``tok``, ``m``) in their stored dtypes: ``dO [BT, BV]``,
-    ``Mqk [BT, BT]``, ``Kend, Qt, W [BT, BK]``, ``Gam_last [BK]``."""
+    ``Mqk [BT, BT]``, ``Kend, Qt, W [BT, BK]``, ``Gam_last [BK]``. The tiles off the step's dependent chain load
+    first, then the chain's: the split scan's passes then keep their tiles in registers (sm_90: 255 registers, 0-8 B
+    of stack, against 40-48 B), forward + backward at B1 T32768 H4 bf16 on an H200 2.39 ms against 2.42."""
     do = tile2(dO + i_hv * V, tok, m, HV * V, o_v, m_v)
     A = tile2(Mqk + i_hv * BT, tok, m, HV * BT, rows, m_r)
-    ke = tile2(Kend + i_hv * K, tok, m, HV * K, o_k, m_k)
     qt = tile2(Qt + i_hv * K, tok, m, HV * K, o_k, m_k)
+    ke = tile2(Kend + i_hv * K, tok, m, HV * K, o_k, m_k)
     w = tile2(W + i_hv * K, tok, m, HV * K, o_k, m_k)
     gl = tl.load(Gl + (c * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
     return do, A, ke, qt, w, gl
