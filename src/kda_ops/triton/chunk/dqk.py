@@ -46,6 +46,8 @@ from kda_ops.triton.chunk.tiles import (
     BC,
     BT,
     NB,
+    chunk_grid,
+    chunk_item,
     col_mask,
     load2,
     load2n,
@@ -191,7 +193,7 @@ def chunk_bwd_dqk_kernel(
     """Two passes over the chunk slots, as stage 2 of the forward. ``BLOCKS = False``: the anchored pass; a chunk
     with a ``|Gam - Gam_mid|`` beyond ``ASPAN`` is flagged (``flag = 1``). ``BLOCKS = True``: the block pass, for the
     flagged chunks only, overwriting what the anchored pass stored for them."""
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_c, i_hv = chunk_item(HV)
     i_h = i_hv // (HV // H)
     count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
     if count == 0:
@@ -302,7 +304,7 @@ def chunk_bwd_dqk(
     nq, nk = (None, None) if norms is None else (norms[0], norms[1])
     ps = prec if prec_state is None else prec_state
     for blocks in (False, True):
-        chunk_bwd_dqk_kernel[(NC, HV)](
+        chunk_bwd_dqk_kernel[chunk_grid(NC, HV)](
             contiguous(q), contiguous(k), nq, nk, Gam, Gl, contiguous(beta), dMqk, dMkk, dKt, Hin, contiguous(E),
             dSp, contiguous(dO), dbeta_partial, dq, dk, dg, dbeta, flag, slots.start, slots.count, float(scale), H, HV,
             K=K, V=V, NB=NB, BC=BC, BT=BT, PREC=prec, PREC_OH=exact_bf16(ps, dO, Hin),

@@ -26,7 +26,17 @@ import triton.language as tl
 from torch import Tensor
 
 from kda_ops.triton.chunk.precision import exact_bf16
-from kda_ops.triton.chunk.tiles import BT, col_mask, load2, row_factors, scale_rows, slot_rows, store2
+from kda_ops.triton.chunk.tiles import (
+    BT,
+    chunk_grid,
+    chunk_item,
+    col_mask,
+    load2,
+    row_factors,
+    scale_rows,
+    slot_rows,
+    store2,
+)
 from kda_ops.triton.lang import LOG_FLOOR, mm, tf32_nearest
 from kda_ops.triton.launch import compute_dtype, contiguous, launch, poison
 from kda_ops.varlen import SlotRows
@@ -38,7 +48,7 @@ def chunk_bwd_dv_kernel(
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     PREC: tl.constexpr, PREC_T: tl.constexpr, PREC_OE: tl.constexpr, DT: tl.constexpr, NORMS: tl.constexpr,
 ):  # fmt: skip
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_c, i_hv = chunk_item(HV)
     i_h = i_hv // (HV // H)
     count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
     if count == 0:
@@ -136,7 +146,7 @@ def chunk_bwd_dv(
     dKt = v.new_empty(T, HV, K, dtype=store or dt)
     Gam = v.new_empty(T, HV, K, dtype=dt)
     poison(dv, dbeta, dMqk, dMkk, dKt, Gam)
-    chunk_bwd_dv_kernel[(NC, HV)](
+    chunk_bwd_dv_kernel[chunk_grid(NC, HV)](
         contiguous(k), None if norms is None else norms[1], contiguous(v), contiguous(g), contiguous(beta),
         contiguous(Tm), Hin, contiguous(E), contiguous(dE), contiguous(dO), dv, dbeta, dMqk, dMkk, dKt, Gam,
         slots.start, slots.count, H, HV, K=K, V=V, BT=BT, PREC=prec, PREC_T=prec_t, PREC_OE=exact_bf16(prec, dO, E),

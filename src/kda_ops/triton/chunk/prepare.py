@@ -55,7 +55,19 @@ from kda_ops.triton.chunk.intra import (
 )
 from kda_ops.triton.chunk.precision import Precision
 from kda_ops.triton.chunk.solve import kb_stored, solve_unit_lower, solve_wy
-from kda_ops.triton.chunk.tiles import ANCHOR_SPAN, BC, BT, FACTOR_SPAN, NB, col_mask, load_beta2, slot_rows, store2
+from kda_ops.triton.chunk.tiles import (
+    ANCHOR_SPAN,
+    BC,
+    BT,
+    FACTOR_SPAN,
+    NB,
+    chunk_grid,
+    chunk_item,
+    col_mask,
+    load_beta2,
+    slot_rows,
+    store2,
+)
 from kda_ops.triton.lang import mm, pdl_enter, rnorm
 from kda_ops.triton.launch import (
     FLAG_BLOCK,
@@ -118,7 +130,7 @@ def chunk_prepare_kernel(
     GIVEN_NORMS: tl.constexpr, GIVEN_SUMS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(PDL)
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_c, i_hv = chunk_item(HV)
     i_h = i_hv // (HV // H)
     count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
     if count == 0:
@@ -383,7 +395,7 @@ def _prepare(
         # their own over ``g`` instead of reducing across the kernel's warps, its largest cost (0.08 ms off the
         # forward at B1 T32768 H32 bf16 on an H200); the backward's recompute reduces them in the kernel.
         sums = None if store_tm else chunk_anchor_sums(contiguous(g), slots, A_log, dt_bias, opts)
-        _launch_prepare((NC, HV), (*head, sums, *tail),
+        _launch_prepare(chunk_grid(NC, HV), (*head, sums, *tail),
                         dict(meta, ASPAN=ANCHOR_SPAN, FOLD=fold, PREFETCH=prefetch, GIVEN_SUMS=sums is not None,
                              **launch("prepare", BK=K, BV=V)))  # fmt: skip
     # the flag loop in the forward; the backward's recompute keeps a program per item (its form of the loop spills

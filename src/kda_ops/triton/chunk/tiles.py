@@ -125,6 +125,21 @@ def slot_rows(slot_start, slot_count, i_c, BT: tl.constexpr):
 
 
 @triton.jit
+def chunk_item(HV):
+    """The ``(chunk slot, value head)`` of a program of :func:`chunk_grid`. A slot's value heads run adjacent, so
+    that the programs resident at once read whole ``[BT, HV, *]`` row blocks of the token-major tensors rather than
+    one head's strips of as many chunks: forward + backward at B1 T32768 H32 bf16 on an H100 14.64 ms against 14.75
+    with the chunks adjacent (the forward 3.05 against 3.11)."""
+    pid = tl.program_id(0)
+    return pid // HV, pid % HV
+
+
+def chunk_grid(NC: int, HV: int) -> tuple[int]:
+    """A program per (chunk slot, value head), on one grid axis (``NC * HV`` may pass the second axis' 65535)."""
+    return (NC * HV,)
+
+
+@triton.jit
 def max2(x):
     """The largest element of a 2-D block (a scalar)."""
     return tl.max(tl.max(x, axis=1), axis=0)
