@@ -36,7 +36,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kda_ops.common import Options, state_dtype
-from kda_ops.triton.chunk.tiles import BT, col_mask, slot_rows
+from kda_ops.triton.chunk.tiles import BT, chunk_grid, chunk_item, col_mask, slot_rows
 from kda_ops.triton.lang import LOG_FLOOR, log_decay, pdl_enter
 from kda_ops.triton.launch import Launcher, cdiv, compute_dtype, contiguous, jit_any_length, launch, pdl, poison, pow2
 from kda_ops.varlen import SlotRows
@@ -140,10 +140,11 @@ def anchor_sums_kernel(
     USE_GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
     DT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Key tile ``program_id(2)`` of every chunk slot and value head: the tile's :func:`anchor_sums` into
+    """Key tile ``program_id(1)`` of every chunk slot and value head: the tile's :func:`anchor_sums` into
     ``Sums [NC, HV, 3, K]`` (``g_0``, ``P_last``, ``P_mid``), after the gate."""
     pdl_enter(PDL)
-    i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_c, i_hv = chunk_item(HV)
+    i_k = tl.program_id(1)
     count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
     if count == 0:
         return
@@ -198,7 +199,7 @@ def chunk_anchor_sums(
     poison(Sums)
     BK = min(pow2(K), 64)
     _launch_sums(
-        (NC, HV, cdiv(K, BK)),
+        (*chunk_grid(NC, HV), cdiv(K, BK)),
         (contiguous(g), A_log, dt_bias, Sums, slots.start, slots.count, gate_bound(opts), HV),
         dict(K=K, BK=BK, BT=BT, DT=compute_dtype(g), **gate_flags(opts, A_log, dt_bias),
              **launch("sums"), **pdl(g.device)),

@@ -51,17 +51,19 @@ def chunk_output_kernel(
     KEEP: tl.constexpr = False,
 ):  # fmt: skip
     pdl_enter(PDL)
-    # Items (chunk slot, value tile, value head), the slot fastest, taken by the programs in turn: as many programs as
+    # Items (chunk slot, value tile, value head), the head fastest, taken by the programs in turn: as many programs as
     # items (one each), or fewer whose loop the compiler pipelines over STAGES (the next items' tiles load while
-    # this one's products and store run). A slot without tokens loads and stores nothing.
+    # this one's products and store run). A slot's heads adjacent read whole [BT, HV, *] row blocks, as
+    # chunk_item's order does: the forward at B1 T32768 H32 bf16 on an H100 3.02 ms against 3.05 with the slot
+    # fastest. A slot without tokens loads and stores nothing.
     NV: tl.constexpr = (V + BV - 1) // BV
     rows = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     m_k = col_mask(o_k, K, BK)
     for it in tl.range(tl.program_id(0), NC * NV * HV, tl.num_programs(0), num_stages=STAGES):
-        i_c = it % NC
-        i_v = (it // NC) % NV
-        i_hv = it // (NC * NV)
+        i_hv = it % HV
+        i_v = (it // HV) % NV
+        i_c = it // (HV * NV)
         count = tl.load(slot_count + i_c).to(tl.int32)
         tok = tl.load(slot_start + i_c).to(tl.int64) + rows
         m = rows < count
