@@ -135,6 +135,8 @@ LAUNCH: dict[str, dict[str, int]] = {
     "prepare": {"num_warps": 4, "num_stages": 1, "BK": 32, "BV": 64},
     "prepare_blocks": {"num_warps": 8, "num_stages": 1, "BK": 16, "BV": 64},
     "scan": {"num_warps": 8, "num_stages": 1},
+    # the reverse scan's off-chain term P = Mqk^T dO, a program per (chunk slot, value head)
+    "scan_pre": {"num_warps": 4, "num_stages": 1, "BV": 64},
     # the split scan's passes: 4 warps let two programs share an SM (B1 T32768 H8 bf16: 0.991 ms at 8 segments,
     # against 1.168 with 8 warps)
     "scan_split": {"num_warps": 4, "num_stages": 1},

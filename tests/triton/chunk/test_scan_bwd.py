@@ -37,7 +37,9 @@ def test_stage_scan(gates: str, tiles: int | None, with_dht: bool, segments: int
     dht = c["dht"] if with_dht else None
     dO, Mqk, Qt, Kend, W, Gl = f32(c, "dO", "Mqk", "Qt", "Kend", "W", "Gl")
     with force_forms(scan_block_v=tiles, scan_segments=segments):
-        dE, dSp, dh0 = chunk_bwd_scan(dO, Mqk, Qt, Kend, W, Gl, None if dht is None else dht.float(), c["cu"], prec)
+        # with the chunk slots, the off-chain term Mqk^T dO is formed by a pass of its own before the scan
+        dE, dSp, dh0 = chunk_bwd_scan(dO, Mqk, Qt, Kend, W, Gl, None if dht is None else dht.float(), c["cu"], prec,
+                                      slots=c["slots"])  # fmt: skip
         ref = oracle_scan_bwd(c["dO"], c["Mqk"], c["Qt"], c["Kend"], c["W"], c["Gl"], dht, c["slots"], BT, c["N"])
         u = used(c["slots"])
         assert dh0 is not None
@@ -50,7 +52,12 @@ def test_stage_scan(gates: str, tiles: int | None, with_dht: bool, segments: int
         # bf16 ulp: the interpreter truncates where the GPU rounds to nearest), and the scan's carried dS (so dE,
         # dh0) untouched
         dE16, dSp16, dh016 = chunk_bwd_scan(dO, Mqk, Qt, Kend, W, Gl, None if dht is None else dht.float(), c["cu"],
-                                            prec, dsp_dtype=torch.bfloat16)  # fmt: skip
+                                            prec, dsp_dtype=torch.bfloat16, slots=c["slots"])  # fmt: skip
+        # without the slots the step forms Mqk^T dO itself
+        dE1, dSp1, dh01 = chunk_bwd_scan(dO, Mqk, Qt, Kend, W, Gl, None if dht is None else dht.float(), c["cu"], prec)
+        assert dh01 is not None
+        for got, want, name in ((dE1, ref[0], "dE"), (dSp1[u], ref[1][u], "dS'"), (dh01, ref[2], "dh0")):
+            assert_rel(got, want, 1e-5, name)
     assert dSp16.dtype == torch.bfloat16 and dE16.dtype == torch.float32
     torch.testing.assert_close(dSp16[u].float(), dSp[u], rtol=2.0**-7, atol=1e-30)
     assert torch.equal(dE16, dE) and dh016 is not None and torch.equal(dh016, dh0)

@@ -167,7 +167,7 @@ def _gradients(
         dE, dSp, dh0_ = chunk_bwd_scan(
             dO=dO, Mqk=fw.Mqk, Qt=fw.Qt, Kend=fw.Kend, W=fw.W, Gl=fw.Gl, dht=dht_c, cu=cu, prec=prec,
             store_dh0=initial_state is not None, offsets=slots.offset, dsp_dtype=store,
-            state_v_first=opts.state_v_first,
+            state_v_first=opts.state_v_first, slots=slots,
         )  # fmt: skip
         # each recomputed intermediate is dropped after its last reader, so that the caching allocator reuses its
         # memory for the next stage's outputs: Mqk, Qt, Kend and W after the scan, Tm and dE after the dv stage

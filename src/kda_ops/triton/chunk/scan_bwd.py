@@ -10,6 +10,11 @@ backwards from the final-state gradient (``docs/math.md``, "Chunk backward")::
 After the first chunk ``dS`` is the gradient of the initial state (an empty sequence passes ``dht`` through). The
 grid is ``(cdiv(V, BV), N * HV)``: bounds from ``cu_seqlens`` on the device, the same slot numbering as the
 forward's scan (:func:`~kda_ops.triton.chunk.scan.chunk_offsets`), so nothing depends on values on the host.
+
+``Mqk^T dO`` depends on no state: before a split scan (given the chunk slots), a pass parallel over them
+(:func:`chunk_bwd_pre_kernel`) forms it into ``dE``'s rows, and each step reads it there before overwriting the rows
+with ``dE``, so the step keeps the two products of its dependent chain and one off it (no new buffer: the peak
+memory stays).
 """
 
 from __future__ import annotations
@@ -22,20 +27,52 @@ from torch import Tensor
 from kda_ops.common import state_shape
 from kda_ops.triton.chunk.precision import exact_bf16
 from kda_ops.triton.chunk.scan import chunk_offsets, scan_block_v, scan_segments, segment_states
-from kda_ops.triton.chunk.tiles import BT, col_mask, state_offsets, state_tile, store2, tile2
+from kda_ops.triton.chunk.tiles import (
+    BT,
+    chunk_grid,
+    chunk_item,
+    col_mask,
+    slot_rows,
+    state_offsets,
+    state_tile,
+    store2,
+    tile2,
+)
 from kda_ops.triton.lang import mm
 from kda_ops.triton.launch import cdiv, compute_dtype, contiguous, launch, poison, pow2
+from kda_ops.varlen import SlotRows
 
 
 @triton.jit
-def chunk_tiles(dO, Mqk, Kend, Qt, W, Gl, tok, m, c, i_hv, HV, o_k, m_k, o_v, m_v, rows, m_r,
-                K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
+def chunk_bwd_pre_kernel(dO, Mqk, P, slot_start, slot_count, HV, V: tl.constexpr, BV: tl.constexpr,
+                         BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """``P = Mqk^T dO`` per (chunk slot, value head) into ``P [T, HV, V]``: the term of ``dE`` that no state
+    enters, formed for every chunk at once so that the reverse scan's step keeps only its dependent products."""
+    i_c, i_hv = chunk_item(HV)
+    count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
+    if count == 0:
+        return
+    rows = tl.arange(0, BT)
+    A = tile2(Mqk + i_hv * BT, tok, m, HV * BT, rows, col_mask(rows, BT, BT))
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = col_mask(o_v, V, BV)
+        do = tile2(dO + i_hv * V, tok, m, HV * V, o_v, m_v)
+        store2(P + i_hv * V, tok, m, HV * V, o_v, m_v, mm(tl.trans(A), do, PREC, DT))
+
+
+@triton.jit
+def chunk_tiles(dO, Mqk, Kend, Qt, W, Gl, dE, tok, m, c, i_hv, HV, o_k, m_k, o_v, m_v, rows, m_r,
+                K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr, PRE: tl.constexpr):
     """The reverse scan's inputs of chunk slot ``c`` (rows ``tok``, ``m``) in their stored dtypes: ``dO [BT, BV]``,
     ``Mqk [BT, BT]``, ``Kend, Qt, W [BT, BK]``, ``Gam_last [BK]``. The tiles off the step's dependent chain load
     first, then the chain's: the split scan's passes then keep their tiles in registers (sm_90: 255 registers, 0-8 B
     of stack, against 40-48 B), forward + backward at B1 T32768 H4 bf16 on an H200 2.39 ms against 2.42."""
     do = tile2(dO + i_hv * V, tok, m, HV * V, o_v, m_v)
-    A = tile2(Mqk + i_hv * BT, tok, m, HV * BT, rows, m_r)
+    if PRE:  # P = Mqk^T dO, read from the dE rows the step then overwrites
+        A = tile2(dE + i_hv * V, tok, m, HV * V, o_v, m_v).to(DT)
+    else:
+        A = tile2(Mqk + i_hv * BT, tok, m, HV * BT, rows, m_r)
     qt = tile2(Qt + i_hv * K, tok, m, HV * K, o_k, m_k)
     ke = tile2(Kend + i_hv * K, tok, m, HV * K, o_k, m_k)
     w = tile2(W + i_hv * K, tok, m, HV * K, o_k, m_k)
@@ -48,7 +85,7 @@ def chunk_bwd_scan_kernel(
     dO, Mqk, Qt, Kend, W, Gl, dht, dSp, dE, dh0, cu, chunk_off, MB, HV, NSEG,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     USE_FINAL_STATE_GRADIENT: tl.constexpr, STORE_INITIAL_STATE_GRADIENT: tl.constexpr, PREC: tl.constexpr,
-    PREC_QO: tl.constexpr, DT: tl.constexpr, STATE_V_FIRST: tl.constexpr, PHASE: tl.constexpr,
+    PREC_QO: tl.constexpr, DT: tl.constexpr, STATE_V_FIRST: tl.constexpr, PHASE: tl.constexpr, PRE: tl.constexpr,
 ):  # fmt: skip
     # PHASE 0: whole sequences. The split scan (as the forward's, in reverse: docs/math.md, "Segments"): PHASE 1 the
     # maps of segments 1.. from a zero gradient (value tiles: B; then the identity's columns over K: M^T), PHASE 2
@@ -100,11 +137,14 @@ def chunk_bwd_scan_kernel(
         c = c0 + j
         tok = bos + j * BT + rows
         m = tok < eos
-        do, A, ke, qt, w, gl = chunk_tiles(dO, Mqk, Kend, Qt, W, Gl, tok, m, c, i_hv, HV, o_k, m_k, o_v, m_u, rows,
-                                           m_r, K, V, BT)  # fmt: skip
+        do, A, ke, qt, w, gl = chunk_tiles(dO, Mqk, Kend, Qt, W, Gl, dE, tok, m, c, i_hv, HV, o_k, m_k, o_v, m_u,
+                                           rows, m_r, K, V, BT, DT, PRE)  # fmt: skip
         if PHASE != 1:
             tl.store(dSp + (c * HV + i_hv) * K * V + p_s, dS.to(dSp.dtype.element_ty), mask=m_s)
-        de = mm(ke, dS, PREC, DT) + mm(tl.trans(A), do, PREC, DT)  # [BT, BV]
+        if PRE:
+            de = mm(ke, dS, PREC, DT) + A  # [BT, BV]
+        else:
+            de = mm(ke, dS, PREC, DT) + mm(tl.trans(A), do, PREC, DT)
         if PHASE != 1:
             store2(dE + i_hv * V, tok, m, HV * V, o_v, m_v, de)
         dS = dS * tl.exp(gl.to(DT))[:, None] + mm(tl.trans(qt), do, PREC_QO, DT) - mm(tl.trans(w), de, PREC, DT)
@@ -131,14 +171,16 @@ def chunk_bwd_scan(
     offsets: Tensor | None = None,
     dsp_dtype: torch.dtype | None = None,
     state_v_first: bool = False,
+    slots: SlotRows | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(dE [T, HV, V], dS' [NC, HV, K, V], dh0 [N, HV, K, V] or None)`` in the compute dtype of ``Gl``, ``dS'`` in
     ``dsp_dtype`` when given.
 
     ``dO [T, HV, V]`` (any float dtype), ``Mqk [T, HV, BT]``, ``Qt, Kend, W [T, HV, K]``, ``Gl [NC, HV, K]`` as from
     the forward's stages; ``dht [N, HV, K, V]`` (None: zero); ``cu`` sanitized flat ``cu_seqlens`` (int64);
-    ``offsets`` each sequence's first chunk slot (computed from ``cu`` when not given). With ``state_v_first``
-    ``dht`` and ``dh0`` are ``[N, HV, V, K]`` (``dS'`` keeps ``[K, V]``).
+    ``offsets`` each sequence's first chunk slot (computed from ``cu`` when not given); ``slots`` the chunk slots'
+    rows (:func:`~kda_ops.triton.chunk.slots.slot_map`), which let a split scan form ``Mqk^T dO`` beforehand. With
+    ``state_v_first`` ``dht`` and ``dh0`` are ``[N, HV, V, K]`` (``dS'`` keeps ``[K, V]``).
 
     ``dS'`` is stored once per chunk and read by the dq/dk stage, never carried: the scan's own ``dS`` stays in
     fp32 registers, so a 16-bit ``dsp_dtype`` rounds each stored state once, with no compounding over chunks (the
@@ -163,7 +205,14 @@ def chunk_bwd_scan(
     args = (contiguous(dO), contiguous(Mqk), contiguous(Qt), contiguous(Kend), contiguous(W), Gl)
     meta = dict(K=K, V=V, BK=pow2(K), BV=BV, BT=BT, STORE_INITIAL_STATE_GRADIENT=store_dh0, PREC=prec,
                 PREC_QO=exact_bf16(prec, Qt, dO), DT=compute_dtype(Gl), STATE_V_FIRST=state_v_first,
-                **launch("scan"))  # fmt: skip
+                PRE=slots is not None and nseg > 1, **launch("scan"))  # fmt: skip
+    if slots is not None and nseg > 1:
+        # the split scan's steps (4 warps, two programs per SM) gain more than the pass costs; the plain scan's do
+        # not (forward + backward on an H100: B1 T32768 H8 4.67 -> 4.51 ms, H32 14.64 -> 14.70 unsplit)
+        chunk_bwd_pre_kernel[chunk_grid(slots.start.shape[0], HV)](
+            args[0], args[1], dE, slots.start, slots.count, HV, V=V, BT=BT, PREC=prec, DT=compute_dtype(Gl),
+            **launch("scan_pre", BV=V),
+        )  # fmt: skip
     dht_c = None if dht is None else contiguous(dht)
     if nseg == 1:
         chunk_bwd_scan_kernel[(cdiv(V, BV), N * HV)](
