@@ -203,12 +203,14 @@ def chunk_bwd_scan(
     nseg = scan_segments(N, HV, T, V, dO.device)
     BV = scan_block_v(V, N * HV, dO.device, nseg)
     args = (contiguous(dO), contiguous(Mqk), contiguous(Qt), contiguous(Kend), contiguous(W), Gl)
+    # the split scan's steps (4 warps, two programs per SM) gain more than the pass costs; the plain scan's do not
+    # (forward + backward on an H100: B1 T32768 H8 4.67 -> 4.51 ms, H32 14.64 -> 14.70 unsplit)
+    pre = slots is not None and nseg > 1
     meta = dict(K=K, V=V, BK=pow2(K), BV=BV, BT=BT, STORE_INITIAL_STATE_GRADIENT=store_dh0, PREC=prec,
                 PREC_QO=exact_bf16(prec, Qt, dO), DT=compute_dtype(Gl), STATE_V_FIRST=state_v_first,
-                PRE=slots is not None and nseg > 1, **launch("scan"))  # fmt: skip
-    if slots is not None and nseg > 1:
-        # the split scan's steps (4 warps, two programs per SM) gain more than the pass costs; the plain scan's do
-        # not (forward + backward on an H100: B1 T32768 H8 4.67 -> 4.51 ms, H32 14.64 -> 14.70 unsplit)
+                PRE=pre, **launch("scan"))  # fmt: skip
+    if pre:
+        assert slots is not None
         chunk_bwd_pre_kernel[chunk_grid(slots.start.shape[0], HV)](
             args[0], args[1], dE, slots.start, slots.count, HV, V=V, BT=BT, PREC=prec, DT=compute_dtype(Gl),
             **launch("scan_pre", BV=V),
