@@ -65,7 +65,8 @@ def chunk_bwd_pre_kernel(dO, Mqk, P, slot_start, slot_count, HV, V: tl.constexpr
 def chunk_tiles(dO, Mqk, Kend, Qt, W, Gl, dE, tok, m, c, i_hv, HV, o_k, m_k, o_v, m_v, rows, m_r,
                 K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr, PRE: tl.constexpr):
     """The reverse scan's inputs of chunk slot ``c`` (rows ``tok``, ``m``) in their stored dtypes: ``dO [BT, BV]``,
-    ``Mqk [BT, BT]``, ``Kend, Qt, W [BT, BK]``, ``Gam_last [BK]``. The tiles off the step's dependent chain load
+    ``Mqk [BT, BT]`` (with ``PRE``: ``Mqk^T dO [BT, BV]`` from ``dE``'s rows, in ``DT``), ``Kend, Qt, W [BT, BK]``,
+    ``Gam_last [BK]``. The tiles off the step's dependent chain load
     first, then the chain's: the split scan's passes then keep their tiles in registers (sm_90: 255 registers, 0-8 B
     of stack, against 40-48 B), forward + backward at B1 T32768 H4 bf16 on an H200 2.39 ms against 2.42."""
     do = tile2(dO + i_hv * V, tok, m, HV * V, o_v, m_v)
@@ -212,7 +213,7 @@ def chunk_bwd_scan(
     if pre:
         assert slots is not None
         chunk_bwd_pre_kernel[chunk_grid(slots.start.shape[0], HV)](
-            args[0], args[1], dE, slots.start, slots.count, HV, V=V, BT=BT, PREC=prec, DT=compute_dtype(Gl),
+            args[0], args[1], dE, slots.start, slots.count, HV, V=V, BT=BT, PREC=prec, DT=meta["DT"],
             **launch("scan_pre", BV=V),
         )  # fmt: skip
     dht_c = None if dht is None else contiguous(dht)
