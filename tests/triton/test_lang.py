@@ -10,7 +10,7 @@ import torch
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from kda_ops.triton.lang import tf32_nearest  # noqa: E402
+from kda_ops.triton.lang import split_rows, stack_rows, tf32_nearest  # noqa: E402
 
 pytestmark = pytest.mark.interpret
 
@@ -61,3 +61,21 @@ def test_tf32_nearest_keeps_infinities_and_nans() -> None:
 def test_tf32_nearest_widens_16_bit_values_exactly() -> None:
     x = torch.randn(64).half()
     assert torch.equal(_rounded(x), x.float())
+
+
+@triton.jit
+def _stack_kernel(a, b, s, h1, h2, R: tl.constexpr, C: tl.constexpr):
+    p = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
+    x = stack_rows(tl.load(a + p), tl.load(b + p))
+    tl.store(s + tl.arange(0, 2 * R)[:, None] * C + tl.arange(0, C)[None, :], x)
+    lo, hi = split_rows(x * 2.0)
+    tl.store(h1 + p, lo)
+    tl.store(h2 + p, hi)
+
+
+def test_stack_rows_and_split_rows_are_the_row_concatenation_and_its_halves() -> None:
+    a, b = torch.randn(4, 8), torch.randn(4, 8)
+    s, h1, h2 = torch.empty(8, 8), torch.empty(4, 8), torch.empty(4, 8)
+    _stack_kernel[(1,)](a, b, s, h1, h2, R=4, C=8)
+    assert torch.equal(s, torch.cat((a, b)))
+    assert torch.equal(h1, 2 * a) and torch.equal(h2, 2 * b)

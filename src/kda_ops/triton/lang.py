@@ -66,6 +66,22 @@ def mm(a, b, PREC: tl.constexpr, DT: tl.constexpr):
         return tl.dot(a.to(DT), b.to(DT), input_precision=PREC)
 
 
+@triton.jit
+def stack_rows(a, b):
+    """``[a; b]``: two tiles of one shape ``[R, C]`` stacked along the rows, ``[2 R, C]``."""
+    R: tl.constexpr = a.shape[0]
+    C: tl.constexpr = a.shape[1]
+    return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), (2 * R, C))
+
+
+@triton.jit
+def split_rows(x):
+    """The halves ``x[:R], x[R:]`` of a ``[2 R, C]`` tile (:func:`stack_rows` undone)."""
+    R: tl.constexpr = x.shape[0] // 2
+    C: tl.constexpr = x.shape[1]
+    return tl.split(tl.permute(tl.reshape(x, (2, R, C)), (1, 2, 0)))
+
+
 # The l2norm of q and k: x / sqrt(sum(x * x) + EPS), as in the reference.
 EPS = tl.constexpr(L2NORM_EPS)
 
