@@ -8,7 +8,8 @@ fp32, the gradients of q, k, g in fp32), with the chunk size C = 64:
 
 - the inference forward (X form): the anchor sums, the prepare kernel, the scan, the output stage;
 - the training forward (E form, its factors kept for the backward): the l2norm factors, prepare, scan, output;
-- the backward: the reverse scan, the dv stage, the dq/dk stage, the l2norm's gradient.
+- the backward: the reverse scan, the dv stage, the dq/dk stage (with the l2norm's gradient: dq, dk written in
+  the inputs' dtype).
 
 A tensor a kernel reads again from L2 (the scan's key tiles, once per value tile) counts once. Products count
 ``2 m n k`` flops at the rate of their precision (bf16 for the scan's and the output's, TF32 for the rest; the
@@ -81,9 +82,8 @@ def kernels(B: int, T: int, H: int, D: int) -> list[Kernel]:
         th * (V * BF16 + FP32 + 2 * C * BF16 + K * BF16 + K * FP32),
         tf32=mm * (3 * C * C * V + C * K * V + 2 * C * C * K + 3 * 2 * C**3))  # fmt: skip
     add("backward", "dq/dk", th * (2 * K * BF16 + K * FP32 + BF16 + 2 * C * BF16 + K * BF16 + 2 * V * BF16 + FP32)
-        + gl + 2 * state + norms, th * (3 * K * FP32 + FP32),
+        + gl + 2 * state + norms, th * (2 * K * BF16 + K * FP32 + FP32),
         tf32=mm * (4 * C * C * K), bf16=mm * 2 * C * K * V)  # fmt: skip
-    add("backward", "l2norm gradient", 2 * th * K * (BF16 + FP32), 2 * th * K * BF16)
     return out
 
 

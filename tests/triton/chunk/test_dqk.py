@@ -11,10 +11,12 @@ import torch
 
 pytest.importorskip("triton", minversion="3.6")
 
+from kda_ops import reference  # noqa: E402
 from kda_ops.reference.chunk.dqk import dqk as oracle_dqk  # noqa: E402
 from kda_ops.reference.chunk.dv import dv as oracle_dv  # noqa: E402
 from kda_ops.testing import assert_rel  # noqa: E402
 from kda_ops.triton.chunk import dqk  # noqa: E402
+from kda_ops.triton.chunk.l2norm import l2norm_factors  # noqa: E402
 from kda_ops.triton.chunk.tiles import BT  # noqa: E402
 from kda_ops.triton.launch import poison_outputs  # noqa: E402
 from tests.triton.chunk.stages import OVERFLOW_WARNINGS, bwd_precisions, bwd_stage_case, dv_inputs, f32  # noqa: E402
@@ -65,6 +67,39 @@ def test_stage_dqk_split_products(blocks: bool, device: torch.device, monkeypatc
     ref = oracle_dqk(*(c[n] for n in NAMES), 0.4, c["slots"], BT)
     for name, a, b in zip(("dq", "dk", "dg", "dbeta"), got, ref):
         assert_rel(a, b, 1e-5, name)
+
+
+@pytest.mark.parametrize("blocks", [False, True], ids=["anchored", "blocks"])
+def test_stage_dqk_l2norm_epilogue(blocks: bool, device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``norm_dtype`` (one value head per key head) the stage returns the raw rows' gradients through their
+    l2norm, in both passes: the oracle's dq, dk of the normalised rows chained through float64 autograd of the
+    reference l2norm."""
+    c = bwd_stage_case("half_reset", H=2, HV=2, K=40, device=device)
+    c.update(dv_inputs(c))
+    _, dbeta, dMqk, dMkk, dKt, Gam = oracle_dv(c["k"], c["v"], c["g"], c["beta"], c["Tm"], c["Hin"], c["E"],
+                                               c["dE"], c["dO"], c["slots"], BT)  # fmt: skip
+    c.update(dbeta=dbeta, dMqk=dMqk, dMkk=dMkk, dKt=dKt, Gam=Gam)
+    # raw rows whose l2norm is the case's q, k: each row times its own factor in (0.5, 2)
+    gen = torch.Generator().manual_seed(3)
+    raw = {n: c[n] * (0.5 + 1.5 * torch.rand(c[n].shape[:-1], generator=gen, dtype=c[n].dtype)).to(device)[..., None]
+           for n in ("q", "k")}  # fmt: skip
+    norms = torch.stack([l2norm_factors(raw[n].float(), torch.float32) for n in ("q", "k")])
+    prec, _ = bwd_precisions(device, exact=True)
+    if blocks:
+        monkeypatch.setattr(dqk, "ANCHOR_SPAN", -1.0)
+    args = f32(c, *NAMES)
+    args[:2] = raw["q"].float(), raw["k"].float()
+    with poison_outputs():
+        got = dqk.chunk_bwd_dqk(*args, 0.4, c["slots"], prec, norms=norms, norm_dtype=torch.float32)
+    c.update(q=reference.l2norm(raw["q"]), k=reference.l2norm(raw["k"]))  # the rows the kernel forms
+    ref = oracle_dqk(*(c[n] for n in NAMES), 0.4, c["slots"], BT)
+    for name, x, dy, out in zip(("dq", "dk"), (raw["q"], raw["k"]), ref[:2], got[:2]):
+        x = x.detach().requires_grad_()
+        (want,) = torch.autograd.grad(reference.l2norm(x), x, dy)
+        assert out.dtype == torch.float32 and out.shape == x.shape
+        assert_rel(out, want, 1e-4, name)
+    for name, a, b in zip(("dg", "dbeta"), got[2:], ref[2:]):
+        assert_rel(a, b, 1e-4, name)
 
 
 @pytest.mark.slow

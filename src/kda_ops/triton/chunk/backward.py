@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from kda_ops.common import Options, state_dtype, state_shape
-from kda_ops.triton.chunk.dqk import chunk_bwd_dqk
+from kda_ops.triton.chunk.dqk import chunk_bwd_dqk, norm_in_epilogue
 from kda_ops.triton.chunk.dv import chunk_bwd_dv
 from kda_ops.triton.chunk.inputs import transform_inputs, transform_inputs_bwd
 from kda_ops.triton.chunk.recompute import (
@@ -139,6 +139,7 @@ def _gradients(
     if saved is not None and opts.use_qk_l2norm:
         norms = saved[8]
     dO = flat(do)
+    norm_done = False
     if B * T == 0:
         N = flat_cu_seqlens(cu_seqlens, B, T, v.device).shape[0] - 1
         zq, zk, zg, zb = (torch.zeros_like(x, dtype=dt) for x in (qf, kf, gf, bf))
@@ -180,16 +181,21 @@ def _gradients(
             dv_dtype=v.dtype, store=store, norms=norms,
         )  # fmt: skip
         del Tm, dE
+        # where it can, the stage applies the l2norm's gradient itself (no pass over dq, dk after it)
+        norm_done = norms is not None and norm_in_epilogue(H, HV, K) and q.dtype == k.dtype
         dq_v, dk_v, zg, zb = chunk_bwd_dqk(
             q=qp, k=kp, Gam=Gam, Gl=Gl, beta=bp, dMqk=dMqk, dMkk=dMkk, dKt=dKt, Hin=Hin, E=E, dSp=dSp, dO=dO,
             dbeta_partial=dbeta_p, scale=scale, slots=slots, prec=prec_dqk, norms=norms, prec_state=prec,
+            norm_dtype=q.dtype if norm_done else None,
         )  # fmt: skip
         dh0 = dh0_ if dh0_ is not None else dSp.new_empty(0)
         del Hin, E, dSp, dMqk, dMkk, dKt, Gam
         # a group's value heads share their q/k head (without groups the view is the sum: no pass over the tensor)
         zq = dq_v if G == 1 else dq_v.view(B * T, H, G, K).sum(2)
         zk = dk_v if G == 1 else dk_v.view(B * T, H, G, K).sum(2)
-    dq, dk, dg, dbeta, dA, ddt = transform_inputs_bwd(qf, kf, gf, bf, A_log, dt_bias, opts, zq, zk, zg, zb)
+    dq, dk, dg, dbeta, dA, ddt = transform_inputs_bwd(
+        qf, kf, gf, bf, A_log, dt_bias, opts, zq, zk, zg, zb, norm_done=norm_done
+    )  # fmt: skip
     return (
         dq.view_as(q).to(q.dtype),
         dk.view_as(k).to(k.dtype),

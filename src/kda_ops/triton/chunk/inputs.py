@@ -43,15 +43,16 @@ def transform_inputs(
 
 def transform_inputs_bwd(
     q: Tensor, k: Tensor, g: Tensor, beta: Tensor, A_log: Tensor | None, dt_bias: Tensor | None, opts: Options,
-    dq: Tensor, dk: Tensor, dg: Tensor, dbeta: Tensor,
+    dq: Tensor, dk: Tensor, dg: Tensor, dbeta: Tensor, norm_done: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:  # fmt: skip
-    """Chain the gradients of the prepared tensors to the raw inputs (in dq's dtype; with l2norm, dq and dk come out
-    of its gradient kernel in q's and k's own dtypes: no conversion pass afterwards).
+    """Chain the gradients of the prepared tensors to the raw inputs (in dg's dtype; with l2norm, dq and dk come out
+    of its gradient kernel in q's and k's own dtypes: no conversion pass afterwards). ``norm_done``: dq and dk are
+    already the raw rows' gradients (the dq/dk stage applied the l2norm's).
 
     Returns ``(dq, dk, dg, dbeta, dA_log, ddt_bias)``; the last two are None unless the gate is in kernel.
     """
-    dtype = dq.dtype
-    if opts.use_qk_l2norm:
+    dtype = dg.dtype  # the compute dtype (dq may come in q's own)
+    if opts.use_qk_l2norm and not norm_done:
         dq, dk = l2norm_bwd(q, dq, q.dtype), l2norm_bwd(k, dk, k.dtype)
     dA: Tensor | None = None
     ddt: Tensor | None = None
