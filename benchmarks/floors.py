@@ -4,12 +4,12 @@ Every kernel of the chunkwise pipeline reads its inputs from memory and writes i
 its time cannot go below ``max(bytes / bandwidth, flops / rate)``. This script counts both per kernel from the
 tensors the pipeline passes between its stages (``docs/architecture.md``; shapes and storage dtypes as the bf16
 path keeps them: q, k, v, beta bf16, g fp32, the per-chunk factors in bf16 but ``Mqk`` and ``Tm`` of the backward in
-fp32, the gradients of q, k, g in fp32), with the chunk size C = 64:
+fp32, the gradient of g in fp32 and those of q, k in bf16), with the chunk size C = 64:
 
 - the inference forward (X form): the anchor sums, the prepare kernel, the scan, the output stage;
 - the training forward (E form, its factors kept for the backward): the l2norm factors, prepare, scan, output;
-- the backward: the reverse scan, the dv stage, the dq/dk stage (with the l2norm's gradient: dq, dk written in
-  the inputs' dtype).
+- the backward: the reverse scan, the dv stage, the dq/dk stage (with the l2norm's gradient; the fp32 dq, dk it
+  writes and reads back as scratch are not counted: no stage needs them).
 
 A tensor a kernel reads again from L2 (the scan's key tiles, once per value tile) counts once. Products count
 ``2 m n k`` flops at the rate of their precision (bf16 for the scan's and the output's, TF32 for the rest; the

@@ -54,6 +54,7 @@ def _case(option: str, gates: str, dtype: torch.dtype, HV: int, packed: bool, se
         ("lower_bound_no_A", "zero", torch.float32, 1, True),
         ("gate_no_dt_bias", "normal", torch.float32, 1, False),
         ("beta_sigmoid", "normal", torch.float16, 2, True),
+        ("all", "normal", torch.float16, 1, False),  # the l2norm's gradient in the dq/dk stage, in fp16
     ],
 )
 def test_chunk_bwd_kernel_matches_reference(option: str, gates: str, dtype: torch.dtype, HV: int,

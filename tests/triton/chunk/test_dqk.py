@@ -100,6 +100,12 @@ def test_stage_dqk_l2norm_epilogue(blocks: bool, device: torch.device, monkeypat
         assert_rel(out, want, 1e-4, name)
     for name, a, b in zip(("dg", "dbeta"), got[2:], ref[2:]):
         assert_rel(a, b, 1e-4, name)
+    # in bf16: the same fp32 values, rounded once as they are stored (to 2^-8 of the largest entry)
+    with poison_outputs():
+        half = dqk.chunk_bwd_dqk(*args, 0.4, c["slots"], prec, norms=norms, norm_dtype=torch.bfloat16)
+    for name, a, b in zip(("dq", "dk"), half[:2], got[:2]):
+        assert a.dtype == torch.bfloat16, name
+        assert_rel(a.float(), b, 2**-8, name)
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ Per value head, chunks of ``BT = 64`` tokens, the forward's notation (:mod:`kda_
     dv, dMqk, dMkk = -tril(Tm^T dT Tm^T), dKt, dbeta (through U, W, Tm)                (dv)
     dq, dk, dg = revcumsum(dGam), dbeta (through Mqk, Mkk, Qt, Kt, Kend, e^{Gam_last}) (dqk)
     dq, dk summed over each group of value heads; chain rules of the options          (inputs)
+    (the l2norm's in the dq/dk stage's epilogue where one value head per key head and K <= 128)
 
 Nothing reads a value on the host and every allocation is shaped by ``T``, ``N`` and the head sizes: the chunk-slot
 map (:func:`kda_ops.triton.chunk.slots.slot_map`) is static, the scan reads ``cu_seqlens`` on the device.

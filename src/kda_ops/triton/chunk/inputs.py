@@ -4,11 +4,12 @@
 
 The backward kernels work on *prepared* tensors (the log decay g and the transformed beta in the compute dtype; q
 and k as given, with the factors of their l2norm, which the kernels apply as they load them), so one set of kernels
-serves every option. These are elementwise and row-wise torch ops on the device: no host synchronisation, shapes
-from the inputs only; the gate and beta formulas are those of :mod:`kda_ops.transforms`, which the reference
-applies too. The floor of the log decay (``kda_ops.common.LOG_DECAY_FLOOR``) is left to the kernels, which apply it
-as they load ``g``: no pass over ``g`` here; the gradient at a floored entry is then the kernels' at the floor
-(that of ``exp(-200)``: 0 up to rounding) where the reference's is exactly 0.
+serves every option. The l2norm's gradient runs here unless the dq/dk stage applied it (``norm_done``). These are
+elementwise and row-wise torch ops on the device: no host synchronisation, shapes from the inputs only; the gate and
+beta formulas are those of :mod:`kda_ops.transforms`, which the reference applies too. The floor of the log decay
+(``kda_ops.common.LOG_DECAY_FLOOR``) is left to the kernels, which apply it as they load ``g``: no pass over ``g``
+here; the gradient at a floored entry is then the kernels' at the floor (that of ``exp(-200)``: 0 up to rounding)
+where the reference's is exactly 0.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Row l2 normalisation of q and k for the chunk backward, and its gradient, in one pass each.
 
-The chain rule of the normalisation runs after the backward kernels (:mod:`~kda_ops.triton.chunk.inputs`). In torch
+The chain rule of the normalisation runs after the backward kernels (:mod:`~kda_ops.triton.chunk.inputs`) where the
+dq/dk stage does not apply it itself (:func:`~kda_ops.triton.chunk.dqk.norm_in_epilogue`). In torch
 ops the normalisation and its gradient are each a handful of full passes over ``[T, H, K]`` fp32 tensors (0.5 GB
 apiece at T = 32k, H = 32, K = 128); these kernels read and write each tensor once:
 
