@@ -339,7 +339,8 @@ def chunk_bwd_dqk(
     dbeta = q.new_empty(T, HV, dtype=dt)
     flag = q.new_empty(NC, HV, dtype=torch.int8)
     fused = norm_dtype is not None
-    assert not fused or (norms is not None and norm_in_epilogue(H, HV, K)), "chunk_bwd_dqk: norm_dtype without norms"
+    ok = norms is not None and norm_in_epilogue(H, HV, K)
+    assert not fused or ok, "chunk_bwd_dqk: norm_dtype needs norms and norm_in_epilogue"
     dqx, dkx = (q.new_empty(T, H, K, dtype=norm_dtype), q.new_empty(T, H, K, dtype=norm_dtype)) if fused else (dq, dk)
     poison(dq, dk, dg, dbeta, dqx, dkx)
     nq, nk = (None, None) if norms is None else (norms[0], norms[1])
