@@ -44,12 +44,22 @@ def test_stage_dqk(gates: str, device: torch.device) -> None:
     c = _dqk_case(gates, device, K=40)
     prec, _ = bwd_precisions(device, exact=True)
     with poison_outputs():
-        got = dqk.chunk_bwd_dqk(*f32(c, *NAMES), 0.4, c["slots"], prec)
+        got = dqk.chunk_bwd_dqk(*f32(c, *NAMES), 0.4, c["slots"], prec, g=c["g"].float())
     ref = oracle_dqk(*(c[n] for n in NAMES), 0.4, c["slots"], BT)
     # resets: Gam reaches -1000 and fp32 rounds it to ~6e-5 nats, which the pairwise differences carry
     tol = 1e-4 if gates.endswith("reset") else 1e-5
     for name, a, b in zip(("dq", "dk", "dg", "dbeta"), got, ref):
         assert_rel(a, b, tol, name)
+
+
+def test_stage_dqk_writes_dg_over_gam(device: torch.device) -> None:
+    """The stage allocates no ``[T, HV, K]`` buffer for dg: it writes it over ``Gam``, the memory that the epilogue's
+    outputs take instead (the block pass's tests check that it forms its chunks' ``Gam`` again)."""
+    c = _dqk_case("normal", device)
+    prec, _ = bwd_precisions(device, exact=True)
+    args = f32(c, *NAMES)
+    got = dqk.chunk_bwd_dqk(*args, 0.4, c["slots"], prec, g=c["g"].float())
+    assert got[2].data_ptr() == args[2].data_ptr()
 
 
 @pytest.mark.parametrize("blocks", [False, True], ids=["anchored", "blocks"])
@@ -63,7 +73,7 @@ def test_stage_dqk_split_products(blocks: bool, device: torch.device, monkeypatc
     if blocks:
         monkeypatch.setattr(dqk, "ANCHOR_SPAN", -1.0)
     with poison_outputs():
-        got = dqk.chunk_bwd_dqk(*f32(c, *NAMES), 0.4, c["slots"], "tf32x2", prec_state="ieee")
+        got = dqk.chunk_bwd_dqk(*f32(c, *NAMES), 0.4, c["slots"], "tf32x2", prec_state="ieee", g=c["g"].float())
     ref = oracle_dqk(*(c[n] for n in NAMES), 0.4, c["slots"], BT)
     for name, a, b in zip(("dq", "dk", "dg", "dbeta"), got, ref):
         assert_rel(a, b, 1e-5, name)
@@ -89,8 +99,9 @@ def test_stage_dqk_l2norm_epilogue(blocks: bool, device: torch.device, monkeypat
         monkeypatch.setattr(dqk, "ANCHOR_SPAN", -1.0)
     args = f32(c, *NAMES)
     args[:2] = raw["q"].float(), raw["k"].float()
-    with poison_outputs():
-        got = dqk.chunk_bwd_dqk(*args, 0.4, c["slots"], prec, norms=norms, norm_dtype=torch.float32)
+    with poison_outputs():  # the stage writes dg over Gam: a copy each call
+        got = dqk.chunk_bwd_dqk(*args[:2], args[2].clone(), *args[3:], 0.4, c["slots"], prec, norms=norms,
+                                norm_dtype=torch.float32, g=c["g"].float())  # fmt: skip
     c.update(q=reference.l2norm(raw["q"]), k=reference.l2norm(raw["k"]))  # the rows the kernel forms
     ref = oracle_dqk(*(c[n] for n in NAMES), 0.4, c["slots"], BT)
     for name, x, dy, out in zip(("dq", "dk"), (raw["q"], raw["k"]), ref[:2], got[:2]):
@@ -102,7 +113,8 @@ def test_stage_dqk_l2norm_epilogue(blocks: bool, device: torch.device, monkeypat
         assert_rel(a, b, 1e-4, name)
     # in bf16: the same fp32 values, rounded once as they are stored (to 2^-8 of the largest entry)
     with poison_outputs():
-        half = dqk.chunk_bwd_dqk(*args, 0.4, c["slots"], prec, norms=norms, norm_dtype=torch.bfloat16)
+        half = dqk.chunk_bwd_dqk(*args, 0.4, c["slots"], prec, norms=norms, norm_dtype=torch.bfloat16,
+                                 g=c["g"].float())  # fmt: skip
     for name, a, b in zip(("dq", "dk"), half[:2], got[:2]):
         assert a.dtype == torch.bfloat16, name
         assert_rel(a.float(), b, 2**-8, name)
@@ -115,9 +127,9 @@ def test_stage_dqk_block_pass_equals_anchored_pass(device: torch.device, monkeyp
     c = _dqk_case("normal", device)
     prec, _ = bwd_precisions(device, exact=True)
     with poison_outputs():
-        anchored = dqk.chunk_bwd_dqk(*f32(c, *NAMES), 0.4, c["slots"], prec)
+        anchored = dqk.chunk_bwd_dqk(*f32(c, *NAMES), 0.4, c["slots"], prec, g=c["g"].float())
         monkeypatch.setattr(dqk, "ANCHOR_SPAN", -1.0)
-        blocks = dqk.chunk_bwd_dqk(*f32(c, *NAMES), 0.4, c["slots"], prec)
+        blocks = dqk.chunk_bwd_dqk(*f32(c, *NAMES), 0.4, c["slots"], prec, g=c["g"].float())
     for name, a, b in zip(("dq", "dk", "dg", "dbeta"), anchored, blocks):
         assert_rel(a, b, 1e-5, name)
 

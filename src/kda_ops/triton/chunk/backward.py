@@ -187,10 +187,10 @@ def _gradients(
         dq_v, dk_v, zg, zb = chunk_bwd_dqk(
             q=qp, k=kp, Gam=Gam, Gl=Gl, beta=bp, dMqk=dMqk, dMkk=dMkk, dKt=dKt, Hin=Hin, E=E, dSp=dSp, dO=dO,
             dbeta_partial=dbeta_p, scale=scale, slots=slots, prec=prec_dqk, norms=norms, prec_state=prec,
-            norm_dtype=q.dtype if norm_done else None,
+            norm_dtype=q.dtype if norm_done else None, g=gp,
         )  # fmt: skip
         dh0 = dh0_ if dh0_ is not None else dSp.new_empty(0)
-        del Hin, E, dSp, dMqk, dMkk, dKt, Gam
+        del Hin, E, dSp, dMqk, dMkk, dKt
         # a group's value heads share their q/k head (without groups the view is the sum: no pass over the tensor)
         zq = dq_v if G == 1 else dq_v.view(B * T, H, G, K).sum(2)
         zk = dk_v if G == 1 else dk_v.view(B * T, H, G, K).sum(2)

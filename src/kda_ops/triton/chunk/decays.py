@@ -1,9 +1,10 @@
 """Stage 1: the chunk-local cumulative log decay ``Gam_i = sum_{j <= i} g_j``, with the in-kernel gate fused.
 
-The later stages never read ``Gam`` from memory: each recomputes its chunk's decays in registers from ``g``. Every
-exponent they need is formed as a sum of log decays of one sign, never as a difference of two prefix sums: a
-difference ``Gam_i - Gam_j`` loses ``ulp(|Gam|)`` absolutely, which after a hard reset (``g ~ -1000``) is ~6e-5,
-a relative error of that size in every decay that follows. :func:`chunk_decays` gives, for a ``[BT, BK]`` tile::
+The forward's later stages never read ``Gam`` from memory: each recomputes its chunk's decays in registers from
+``g`` (the backward's dv stage stores it for its dq/dk stage, :func:`gam_tile`). Every exponent they need is formed
+as a sum of log decays of one sign, never as a difference of two prefix sums: a difference ``Gam_i - Gam_j`` loses
+``ulp(|Gam|)`` absolutely, which after a hard reset (``g ~ -1000``) is ~6e-5, a relative error of that size in every
+decay that follows. :func:`chunk_decays` gives, for a ``[BT, BK]`` tile::
 
     Gam_i             inclusive prefix sum                             (Qt = s q exp(Gam), Kt = k exp(Gam))
     Gam_last - Gam_j  exclusive suffix sum                             (Kend = k exp(Gam_last - Gam))
@@ -36,7 +37,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kda_ops.common import Options, state_dtype
-from kda_ops.triton.chunk.tiles import BT, chunk_grid, chunk_item, col_mask, slot_rows
+from kda_ops.triton.chunk.tiles import BT, chunk_grid, chunk_item, col_mask, load2, slot_rows
 from kda_ops.triton.lang import LOG_FLOOR, log_decay, pdl_enter
 from kda_ops.triton.launch import Launcher, cdiv, compute_dtype, contiguous, jit_any_length, launch, pdl, poison, pow2
 from kda_ops.varlen import SlotRows
@@ -73,6 +74,15 @@ def gate(x, mask, A_log, dt_bias, o_k, m_k, i_hv, lower_bound, K: tl.constexpr, 
             a = 1.0
         x = tl.where(mask, log_decay(x, a, lower_bound, HAS_A_LOG, USE_LOWER_BOUND), 0.0)
     return tl.maximum(x, LOG_FLOOR)
+
+
+@triton.jit
+def gam_tile(g, tok, m, i_hv, HV, o_k, m_k, K: tl.constexpr, DT: tl.constexpr):
+    """``Gam [BT, BK]`` of a chunk's key tile from the prepared log decay ``g [T, HV, K]`` (the gate applied): the
+    prefix sum of its rows, each at least ``LOG_DECAY_FLOOR`` (padding rows load 0 and repeat ``Gam_last``): the
+    backward's dv stage, which stores it for the dq/dk stage, and that stage's block pass, which forms its flagged
+    chunks' again after the anchored pass wrote ``dg`` over them."""
+    return tl.cumsum(tl.maximum(load2(g + i_hv * K, tok, m, HV * K, o_k, m_k, DT), LOG_FLOOR), axis=0)
 
 
 @triton.jit
@@ -217,6 +227,7 @@ __all__ = [
     "chunk_anchor_sums",
     "chunk_decays",
     "gate_bound",
+    "gam_tile",
     "gate_flags",
     "load_log_decay",
     "sums_ptr",

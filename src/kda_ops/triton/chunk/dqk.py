@@ -12,7 +12,8 @@ One program per (chunk slot, value head) walks the key tiles. Per tile (``docs/m
     dg   = reverse cumulative sum of dGam within the chunk
 
 and, with the l2norm where :func:`norm_in_epilogue` allows, an epilogue that turns the chunk's dq, dk into the raw
-rows' gradients ``dx = r (dy - y (y . dy))``.
+rows' gradients ``dx = r (dy - y (y . dy))``. ``dg`` is written over the dv stage's ``Gam``, each key tile's after its
+last read of ``Gam``: the stage allocates no buffer for it.
 
 Pairwise products ``X[i,j] = sum_d a_id b_jd exp(Gam_id - Gam_jd)`` (``j <= i``) take one of two passes, as in the
 forward's stage 2 (:mod:`~kda_ops.triton.chunk.intra`):
@@ -43,6 +44,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kda_ops.triton.chunk.decays import gam_tile
 from kda_ops.triton.chunk.precision import exact_bf16
 from kda_ops.triton.chunk.tiles import (
     ANCHOR_SPAN,
@@ -192,7 +194,7 @@ def value_products(Hin, dSp, dO, E, s_off, tok, m, i_hv, HV, o_k, m_k, V: tl.con
 
 @triton.jit
 def chunk_bwd_dqk_kernel(
-    q, k, Nq, Nk, Gam, Gl, beta, dMqk, dMkk, dKt, Hin, E, dSp, dO, dbeta_in, dq, dk, dg, dbeta, dqx, dkx, flag,
+    q, k, Nq, Nk, g, Gam, Gl, beta, dMqk, dMkk, dKt, Hin, E, dSp, dO, dbeta_in, dq, dk, dg, dbeta, dqx, dkx, flag,
     slot_start, slot_count, scale, H, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, PREC_OH: tl.constexpr,
     PREC_ED: tl.constexpr, DT: tl.constexpr, ASPAN: tl.constexpr, BLOCKS: tl.constexpr,
@@ -219,6 +221,12 @@ def chunk_bwd_dqk_kernel(
     if BLOCKS:
         if tl.load(p_flag) == 0:
             return
+        # the anchored pass wrote dg over the chunk's Gam (dg may be Gam's buffer): Gam again, from g
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_k = col_mask(o_k, K, BK)
+            store2(Gam + i_hv * K, tok, m, HV * K, o_k, m_k, gam_tile(g, tok, m, i_hv, HV, o_k, m_k, K, DT))
+        tl.debug_barrier()  # pairwise_bwd reads rows that other threads stored
     # the anchored pass checks the span on the tiles it loads anyway and stores a flagged chunk's (finite, clamped)
     # tiles regardless: the block pass overwrites every output of that chunk
     ok = True
@@ -270,6 +278,7 @@ def chunk_bwd_dqk_kernel(
         store2(dk + i_hv * K, tok, m, HV * K, o_k, m_k, dk_t)
         dGl = tl.sum(Ke * dKe, axis=0) + tl.exp(gl) * dsh
         dGam += tl.where(rows[:, None] == BT - 1, dGl[None, :], 0.0)
+        tl.debug_barrier()  # every thread's reads of the tile's Gam before dg is stored over it
         store2(dg + i_hv * K, tok, m, HV * K, o_k, m_k, tl.cumsum(dGam, axis=0, reverse=True))
     tl.store(dbeta + tok * HV + i_hv, db.to(dbeta.dtype.element_ty), mask=m)
     if not BLOCKS:
@@ -314,11 +323,16 @@ def chunk_bwd_dqk(
     norms: Tensor | None = None,
     prec_state: str | None = None,
     norm_dtype: torch.dtype | None = None,
+    *,
+    g: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dg [T, HV, K], dbeta [T, HV])`` per value head, in the compute dtype (``Gl``'s); with
     ``norm_dtype``, dq and dk ``[T, H, K]`` in that dtype (below).
 
-    Prepared ``q, k [T, H, K]`` and ``beta [T, HV]``; ``Gam, dMqk, dMkk, dKt, dbeta_partial`` from stage 3a;
+    Prepared ``q, k [T, H, K]``, ``beta [T, HV]`` and log decay ``g [T, HV, K]``; ``Gam, dMqk, dMkk, dKt,
+    dbeta_partial`` from stage 3a. ``Gam`` is consumed: ``dg`` is written over it, each key tile after its last read
+    of the tile (the block pass forms its chunks' ``Gam`` from ``g`` again first), so that the stage allocates no
+    ``[T, HV, K]`` buffer for ``dg`` (0.54 GB at B1 T32768 H32: the epilogue's ``dq``, ``dk`` outputs take it);
     ``Gl [NC, HV, K]``, ``Hin [NC, HV, K, V]``, ``E [T, HV, V]`` from the recomputed forward; ``dS' [NC, HV, K, V]``
     from the reverse scan. dq and dk are per value head: the caller sums a group's heads. ``norms [2, T, H]``
     (optional): the l2norm factors of q's and k's rows, with ``q, k`` raw (normalised as they load).
@@ -335,21 +349,21 @@ def chunk_bwd_dqk(
     dt = Gl.dtype  # the compute dtype (Hin may be stored in bf16)
     dq = q.new_empty(T, HV, K, dtype=dt)
     dk = q.new_empty(T, HV, K, dtype=dt)
-    dg = q.new_empty(T, HV, K, dtype=dt)
+    dg = Gam
     dbeta = q.new_empty(T, HV, dtype=dt)
     flag = q.new_empty(NC, HV, dtype=torch.int8)
     fused = norm_dtype is not None
     ok = norms is not None and norm_in_epilogue(H, HV, K)
     assert not fused or ok, "chunk_bwd_dqk: norm_dtype needs norms and norm_in_epilogue"
     dqx, dkx = (q.new_empty(T, H, K, dtype=norm_dtype), q.new_empty(T, H, K, dtype=norm_dtype)) if fused else (dq, dk)
-    poison(dq, dk, dg, dbeta, dqx, dkx)
+    poison(dq, dk, dbeta, dqx, dkx)
     nq, nk = (None, None) if norms is None else (norms[0], norms[1])
     ps = prec if prec_state is None else prec_state
     for blocks in (False, True):
         chunk_bwd_dqk_kernel[chunk_grid(NC, HV)](
-            contiguous(q), contiguous(k), nq, nk, Gam, Gl, contiguous(beta), dMqk, dMkk, dKt, Hin, contiguous(E),
-            dSp, contiguous(dO), dbeta_partial, dq, dk, dg, dbeta, dqx, dkx, flag, slots.start, slots.count,
-            float(scale), H, HV, K=K, V=V, NB=NB, BC=BC, BT=BT, PREC=prec, PREC_OH=exact_bf16(ps, dO, Hin),
+            contiguous(q), contiguous(k), nq, nk, contiguous(g), Gam, Gl, contiguous(beta), dMqk, dMkk, dKt, Hin,
+            contiguous(E), dSp, contiguous(dO), dbeta_partial, dq, dk, dg, dbeta, dqx, dkx, flag, slots.start,
+            slots.count, float(scale), H, HV, K=K, V=V, NB=NB, BC=BC, BT=BT, PREC=prec, PREC_OH=exact_bf16(ps, dO, Hin),
             PREC_ED=exact_bf16(ps, E, dSp), DT=compute_dtype(Gl), ASPAN=ANCHOR_SPAN, BLOCKS=blocks,
             NORMS=norms is not None, NORM_BWD=fused, BKE=pow2(K),
             **launch("dqk_blocks" if blocks else "dqk_split" if prec == "tf32x2" else "dqk", BK=K, BV=V),

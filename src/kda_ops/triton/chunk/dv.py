@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kda_ops.triton.chunk.decays import gam_tile
 from kda_ops.triton.chunk.precision import exact_bf16
 from kda_ops.triton.chunk.tiles import (
     BT,
@@ -37,7 +38,7 @@ from kda_ops.triton.chunk.tiles import (
     slot_rows,
     store2,
 )
-from kda_ops.triton.lang import LOG_FLOOR, mm, tf32_nearest
+from kda_ops.triton.lang import mm, tf32_nearest
 from kda_ops.triton.launch import compute_dtype, contiguous, launch, poison
 from kda_ops.varlen import SlotRows
 
@@ -83,7 +84,7 @@ def chunk_bwd_dv_kernel(
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = col_mask(o_k, K, BK)
         kk = scale_rows(load2(k + i_h * K, tok, m, H * K, o_k, m_k, DT), rk, NORMS)  # [BT, BK]
-        Gm = tl.cumsum(tl.maximum(load2(g + i_hv * K, tok, m, HV * K, o_k, m_k, DT), LOG_FLOOR), axis=0)
+        Gm = gam_tile(g, tok, m, i_hv, HV, o_k, m_k, K, DT)
         store2(Gam + i_hv * K, tok, m, HV * K, o_k, m_k, Gm)
         Kt = kk * tl.exp(Gm)
         dW = tl.zeros((BT, BK), dtype=DT)
