@@ -198,11 +198,12 @@ def chunk_bwd_dqk_kernel(
     slot_start, slot_count, scale, H, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, PREC_OH: tl.constexpr,
     PREC_ED: tl.constexpr, DT: tl.constexpr, ASPAN: tl.constexpr, BLOCKS: tl.constexpr,
-    NORMS: tl.constexpr, NORM_BWD: tl.constexpr, BKE: tl.constexpr,
+    NORMS: tl.constexpr, NORM_BWD: tl.constexpr, BKE: tl.constexpr, BKG: tl.constexpr,
 ):  # fmt: skip
     """Two passes over the chunk slots, as stage 2 of the forward. ``BLOCKS = False``: the anchored pass; a chunk
     with a ``|Gam - Gam_mid|`` beyond ``ASPAN`` is flagged (``flag = 1``). ``BLOCKS = True``: the block pass, for the
-    flagged chunks only, overwriting what the anchored pass stored for them.
+    flagged chunks only, overwriting what the anchored pass stored for them; it first forms their ``Gam`` from ``g``
+    again (``dg`` may be ``Gam``'s buffer, which the anchored pass wrote over) in key tiles of ``BKG`` columns.
 
     ``NORM_BWD`` (with ``NORMS``, one value head per key head): ``dq``, ``dk`` are scratch, and ``dqx``, ``dkx`` take
     the gradients of the raw rows through their l2norm (:func:`~kda_ops.triton.lang.l2norm_bwd`), from whole rows
@@ -221,10 +222,12 @@ def chunk_bwd_dqk_kernel(
     if BLOCKS:
         if tl.load(p_flag) == 0:
             return
-        # the anchored pass wrote dg over the chunk's Gam (dg may be Gam's buffer): Gam again, from g
-        for i_k in range(tl.cdiv(K, BK)):
-            o_k = i_k * BK + tl.arange(0, BK)
-            m_k = col_mask(o_k, K, BK)
+        # Gam again, from g, in the dv stage's tile width (BKG): the prefix sum's order follows the tile's layout,
+        # which then matches the dv stage's for fp32 inputs (sm_90, triton 3.6); for 16-bit inputs the dv stage
+        # takes another layout and a re-formed Gam may differ from the stored one in its last bit
+        for i_k in range(tl.cdiv(K, BKG)):
+            o_k = i_k * BKG + tl.arange(0, BKG)
+            m_k = col_mask(o_k, K, BKG)
             store2(Gam + i_hv * K, tok, m, HV * K, o_k, m_k, gam_tile(g, tok, m, i_hv, HV, o_k, m_k, K, DT))
         tl.debug_barrier()  # pairwise_bwd reads rows that other threads stored
     # the anchored pass checks the span on the tiles it loads anyway and stores a flagged chunk's (finite, clamped)
@@ -349,6 +352,7 @@ def chunk_bwd_dqk(
     dt = Gl.dtype  # the compute dtype (Hin may be stored in bf16)
     dq = q.new_empty(T, HV, K, dtype=dt)
     dk = q.new_empty(T, HV, K, dtype=dt)
+    assert Gam.dtype == dt and Gam.is_contiguous(), "chunk_bwd_dqk: Gam, which dg is written over"
     dg = Gam
     dbeta = q.new_empty(T, HV, dtype=dt)
     flag = q.new_empty(NC, HV, dtype=torch.int8)
@@ -365,7 +369,7 @@ def chunk_bwd_dqk(
             contiguous(E), dSp, contiguous(dO), dbeta_partial, dq, dk, dg, dbeta, dqx, dkx, flag, slots.start,
             slots.count, float(scale), H, HV, K=K, V=V, NB=NB, BC=BC, BT=BT, PREC=prec, PREC_OH=exact_bf16(ps, dO, Hin),
             PREC_ED=exact_bf16(ps, E, dSp), DT=compute_dtype(Gl), ASPAN=ANCHOR_SPAN, BLOCKS=blocks,
-            NORMS=norms is not None, NORM_BWD=fused, BKE=pow2(K),
+            NORMS=norms is not None, NORM_BWD=fused, BKE=pow2(K), BKG=launch("dv", BK=K, BV=V)["BK"],
             **launch("dqk_blocks" if blocks else "dqk_split" if prec == "tf32x2" else "dqk", BK=K, BV=V),
         )  # fmt: skip
     return dqx, dkx, dg, dbeta
