@@ -193,12 +193,7 @@ def test_torchrun_example_runs() -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(root / "examples" / "context_parallel.py"), "--tokens", "256"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    lines = out.stdout.strip().splitlines()
-    assert lines and "largest relative error" in lines[-1], out.stderr[-3000:]
-    print("\n" + lines[-1])
-    assert float(lines[-1].rsplit(" ", 1)[-1]) < 1e-5, lines[-1]
-    # rank 0 prints after every rank's checks; a rank aborted at interpreter exit, after destroy_process_group, by
-    # torch's functional collectives over gloo (torch 2.13: 2 of 24 runs of a script of nothing but one autograd
-    # all-gather and a barrier, no kda_ops) is that known abort, any other failure is not
-    if out.returncode != 0:
-        assert "terminate called without an active exception" in out.stderr, out.stderr[-3000:]
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = out.stdout.strip().splitlines()[-1]
+    print("\n" + line)
+    assert float(line.rsplit(" ", 1)[-1]) < 1e-5, line
