@@ -45,7 +45,7 @@ _ALL_GATHER = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_t
 class _AllGather(torch.autograd.Function):
     """``[W, *x.shape]`` by ``all_gather_into_tensor``, the backward a ``reduce_scatter_tensor``: the eager form of
     :func:`_gather`. The functional all-gather over gloo (torch 2.13) aborts a rank at interpreter exit, after its
-    work, in 2 of 24 runs of a script of nothing else; these collectives in 0 of 24."""
+    work, in 2 of 24 runs of a script of nothing else; the torchrun example through this form in 0 of 24."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
