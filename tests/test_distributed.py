@@ -197,3 +197,28 @@ def test_torchrun_example_runs() -> None:
     line = out.stdout.strip().splitlines()[-1]
     print("\n" + line)
     assert float(line.rsplit(" ", 1)[-1]) < 1e-5, line
+
+
+@pytest.mark.slow
+def test_bench_distributed_runs_on_cpu(tmp_path: Path) -> None:
+    """benchmarks/bench_distributed.py's torchrun mode on 2 CPU ranks (gloo) writes its row, whose check matches one
+    process, and its table mode reads the row back."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root / "src"), os.environ.get("PYTHONPATH")]))}
+    script = str(root / "benchmarks" / "bench_distributed.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script,
+           "--scaling", "strong", "--device", "cpu", "--T", "128", "--H", "2", "--D", "16", "--reps", "1", "--check",
+           "--rows", str(tmp_path)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = json.loads((tmp_path / "strong-2.json").read_text())
+    assert row["ranks"] == 2 and row["T_rank"] == 64 and row["forward_ms"] > 0
+    assert row["check"]["float64 vs one process"] < 1e-12, row["check"]
+    assert row["check"]["float32 vs one process"] < 1e-5, row["check"]
+    table = subprocess.run([sys.executable, script, "--tables", str(tmp_path)], capture_output=True, text=True,
+                           timeout=300, env=env)  # fmt: skip
+    assert table.returncode == 0, table.stderr[-3000:]
+    assert "| 2 | 128 | 64 |" in table.stdout, table.stdout
