@@ -10,9 +10,10 @@ and weak scaling over the ranks of a ``torchrun`` job.
   ranks, one GPU each (NCCL). ``strong``: one sequence of ``--T`` tokens (default 262144) split W ways; ``weak``:
   ``--T`` tokens per rank (default 65536). Each rank's slice is timed forward and forward + backward (CUDA events
   over ``--reps`` calls between barriers; the slowest rank's median), and the all-gather of the summaries alone;
-  peak memory per rank. With ``--check`` the ranks' outputs and gradients are compared with ``chunk_kda`` on the
-  whole sequence in one process (rank 0) at ``--check-T`` tokens (default 32768, split W ways), bf16 and float32,
-  and with their errors against float64. Rank 0 writes the run's row as ``DIR/<mode>-<W>.json``.
+  the largest rank's peak memory above its inputs and their gradients. With ``--check`` the ranks' outputs, final
+  states and gradients are compared with ``chunk_kda`` on the whole sequence in one process (rank 0), on a sequence
+  of ``--check-T`` tokens (default 32768, split W ways), in bf16 and float32, and in bf16 both calls' errors against
+  float64. Rank 0 writes the run's row as ``DIR/<mode>-<W>.json``.
 - ``python benchmarks/bench_distributed.py --tables DIR [--out FILE]``: the rows in ``DIR`` as the strong and weak
   scaling tables (and ``DIR/bench_distributed.png``).
 
@@ -188,7 +189,7 @@ def check(T: int, H: int, D: int, device: torch.device) -> dict[str, float]:
         dst = torch.randn(1, H, D, D, generator=gen, device=device)
         # the final state is every rank's: its cotangent enters once, on rank 0 (every rank runs one backward)
         ((o * dos[rank]).sum() + (s * (dst if rank == 0 else torch.zeros_like(dst))).sum()).backward()
-        mine = [o.detach(), *(x[n].grad for n in ("q", "k", "v", "g", "beta"))]
+        mine = [o.detach(), s.detach(), *(x[n].grad for n in ("q", "k", "v", "g", "beta"))]
         gathered = [[torch.empty_like(m) for _ in range(world)] for m in mine]
         for g_list, m in zip(gathered, mine):
             assert m is not None
@@ -204,7 +205,11 @@ def check(T: int, H: int, D: int, device: torch.device) -> dict[str, float]:
                 assert sr is not None
                 ((orr * torch.cat(dos, 1).to(orr.dtype)).sum() + (sr * dst.to(sr.dtype)).sum()).backward()
                 results[rd] = [orr.detach(), sr.detach(), *(xr[n].grad for n in ("q", "k", "v", "g", "beta"))]
-            dist_all = [torch.cat(gathered[0], 1), s.detach(), *(torch.cat(g_list, 1) for g_list in gathered[1:])]
+            # every rank's final state against the one reference
+            dist_all = [torch.cat(gathered[0], 1), torch.stack(gathered[1]),
+                        *(torch.cat(g_list, 1) for g_list in gathered[2:])]  # fmt: skip
+            for res in results.values():
+                res[1] = res[1].expand(world, *res[1].shape)
 
             def rel(a: list[Any], b: list[Any]) -> float:
                 return max(float((u.double() - w.double()).abs().max() / w.double().abs().max().clamp_min(1e-30))
@@ -234,8 +239,8 @@ def scaling(args: argparse.Namespace) -> None:
         dist.init_process_group("gloo")
     try:
         world, rank = dist.get_world_size(), dist.get_rank()
-        total = args.T if args.scaling == "strong" else args.T * world
-        local = total // world
+        local = args.T // world if args.scaling == "strong" else args.T
+        total = local * world
         dtype = torch.bfloat16 if cuda else torch.float32
         x = slice_inputs(local, args.H, args.D, rank, device, dtype)
         xg = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
@@ -252,7 +257,9 @@ def scaling(args: argparse.Namespace) -> None:
             o.backward(do)
 
         summary = torch.zeros(1, args.H, args.D, 2 * args.D, dtype=torch.float32, device=device)
-        if cuda:
+        if cuda:  # the peak above the inputs and their gradients (one step first, as the one-rank mode's)
+            step()
+            torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
         row: dict[str, Any] = {"mode": args.scaling, "ranks": world, "T": total, "T_rank": local, "H": args.H,
@@ -284,13 +291,17 @@ def tables(args: argparse.Namespace) -> None:
         sel = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["ranks"])
         if not sel:
             continue
+        same = "T" if mode == "strong" else "T_rank"
+        for key in (same, "H", "D", "device"):
+            if len({r[key] for r in sel}) > 1:
+                sys.exit(f"bench_distributed: the {mode} rows in {args.tables} differ in {key}: one run per rank count")
         one = next((r for r in sel if r["ranks"] == 1), None)
         lines += [f"## {mode.capitalize()} scaling", "",
                   f"{sel[0]['device']}, torch {sel[0]['torch']}, {sel[0]['date']}; B1 H{sel[0]['H']} K = V = "
                   f"{sel[0]['D']}; the slowest rank's median ms; speed-up against one rank"
                   + (" (time of one rank over time of W ranks" + (", times W" if mode == "weak" else "") + ")"
                      if one else "") + ".", "",
-                  "| ranks | T | T per rank | forward ms | fwd + bwd ms | all-gather ms | peak GB per rank | "
+                  "| ranks | T | T per rank | forward ms | fwd + bwd ms | all-gather ms | peak GB (largest rank) | "
                   "forward speed-up | fwd + bwd speed-up |",
                   "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in sel:
