@@ -43,6 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _bench  # noqa: E402
 
+# the options of every call timed here
+OPTS: dict[str, Any] = dict(use_qk_l2norm_in_kernel=True, output_final_state=True)
+
 
 def timed(fn: Callable[[], Any], grads: list[torch.Tensor] | None = None) -> tuple[float, float]:
     """GPU ms (do_bench median; ``grads`` reset to None before each repetition) and peak GB above what was
@@ -77,7 +80,6 @@ def overhead(args: argparse.Namespace) -> None:
         import bench_chunk  # it imports triton, which the scaling mode on the CPU does without
 
         x = bench_chunk.inputs(1, args.T, args.H)
-        opts = dict(use_qk_l2norm_in_kernel=True, output_final_state=True)
         calls: dict[str, Callable[..., Any]] = {"chunk_kda": kda_ops.chunk_kda,
                                                 "distributed.chunk_kda, 1 rank": distributed.chunk_kda}
         xg = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
@@ -86,11 +88,11 @@ def overhead(args: argparse.Namespace) -> None:
         outs = {}
         for name, fn in calls.items():
             with torch.no_grad():
-                outs[name] = fn(**x, **opts)
-                f_ms, f_gb = timed(lambda fn=fn: fn(**x, **opts))
+                outs[name] = fn(**x, **OPTS)
+                f_ms, f_gb = timed(lambda fn=fn: fn(**x, **OPTS))
 
             def step(fn: Callable[..., Any] = fn) -> None:
-                o, _ = fn(**xg, **opts)
+                o, _ = fn(**xg, **OPTS)
                 o.backward(do)
 
             b_ms, b_gb = timed(step, list(xg.values()))
@@ -129,9 +131,6 @@ def slice_inputs(T: int, H: int, D: int, seed: int, device: torch.device,
     return {"q": rnd(1, T, H, D).to(dtype), "k": rnd(1, T, H, D).to(dtype), "v": rnd(1, T, H, D).to(dtype),
             "g": torch.nn.functional.logsigmoid(rnd(1, T, H, D)),
             "beta": torch.rand(1, T, H, generator=gen, device=device).to(dtype)}  # fmt: skip
-
-
-OPTS: dict[str, Any] = dict(use_qk_l2norm_in_kernel=True, output_final_state=True)
 
 
 def rank_ms(fn: Callable[[], Any], reps: int, device: torch.device) -> float:
@@ -273,7 +272,7 @@ def scaling(args: argparse.Namespace) -> None:
         if cuda:
             row["peak_gb"] = slowest((torch.cuda.max_memory_allocated(device) - base) / 1e9, device)
         if args.check:
-            row["check"] = check(min(args.check_T, total), args.H if cuda else 2, args.D, device)
+            row["check"] = check(min(args.check_T, total), args.H, args.D, device)
         if rank == 0:
             print(json.dumps(row), flush=True)
             if args.rows:
