@@ -292,8 +292,8 @@ def backward_launches(x_dtype: torch.dtype = BF, H: int = 32, D: int = 128, tag:
         meta = dict(kwargs)
         warps, stages = meta.pop("num_warps", 4), meta.pop("num_stages", 3)
         a: dict[str, Any] = {n: v.dtype if isinstance(v, torch.Tensor) else v for n, v in zip(fn.arg_names, args)}
-        for n in fn.arg_names[len(args):]:
-            a[n] = meta[n]
+        for param in fn.params[len(args):]:
+            a[param.name] = meta[param.name] if param.name in meta else param.default
         flags = "".join(f" {flag}" for flag in ("BLOCKS", "BACKWARD", "STORE_TM", "STATE_V_FIRST") if meta.get(flag))
         flags += f" PHASE {meta['PHASE']}" if meta.get("PHASE") else ""
         source = fn.__module__.removeprefix("kda_ops.triton.")

@@ -15,6 +15,7 @@ from kda_ops import reference  # noqa: E402
 from kda_ops.reference.chunk.dqk import dqk as oracle_dqk  # noqa: E402
 from kda_ops.reference.chunk.dv import dv as oracle_dv  # noqa: E402
 from kda_ops.testing import assert_rel  # noqa: E402
+from kda_ops.triton import launch  # noqa: E402
 from kda_ops.triton.chunk import dqk  # noqa: E402
 from kda_ops.triton.chunk.l2norm import l2norm_factors  # noqa: E402
 from kda_ops.triton.chunk.tiles import BT  # noqa: E402
@@ -118,6 +119,25 @@ def test_stage_dqk_l2norm_epilogue(blocks: bool, device: torch.device, monkeypat
     for name, a, b in zip(("dq", "dk"), half[:2], got[:2]):
         assert a.dtype == torch.bfloat16, name
         assert_rel(a.float(), b, 2**-8, name)
+
+
+@pytest.mark.parametrize("flags", [{"PREFETCH": 1}, {"PREFETCH": 2, "HOLD_DM": 1}, {"HOLD_DOE": 1}],
+                         ids=["prefetch", "prefetch_dkt_hold_dm", "hold_doe"])  # fmt: skip
+def test_stage_dqk_schedule_flags(flags: dict[str, int], device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The anchored pass's schedule flags in the launch table (the next key tile's loads ahead of the stores, tiles
+    held across the key loop) give the same gradients: against the oracle, and equal bit for bit to the default
+    form's where the products are the same (``HOLD_DOE`` sums the value tiles in one product). K = 40: two key
+    tiles, the second partial; ``half_reset`` sends one chunk through the block pass, which takes no flags."""
+    c = _dqk_case("half_reset", device, K=40)
+    prec, _ = bwd_precisions(device, exact=True)
+    with poison_outputs():
+        base = dqk.chunk_bwd_dqk(*f32(c, *NAMES), 0.4, c["slots"], prec, g=c["g"].float())
+        monkeypatch.setitem(launch.LAUNCH, "dqk", {**launch.LAUNCH["dqk"], **flags})
+        got = dqk.chunk_bwd_dqk(*f32(c, *NAMES), 0.4, c["slots"], prec, g=c["g"].float())
+    ref = oracle_dqk(*(c[n] for n in NAMES), 0.4, c["slots"], BT)
+    for name, a, b, r in zip(("dq", "dk", "dg", "dbeta"), got, base, ref):
+        assert_rel(a, r, 1e-4, name)
+        assert "HOLD_DOE" in flags or torch.equal(a, b), name
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ pytest.importorskip("triton", minversion="3.6")
 
 from kda_ops.reference.chunk.dv import dv as oracle_dv  # noqa: E402
 from kda_ops.testing import assert_rel  # noqa: E402
+from kda_ops.triton import launch  # noqa: E402
 from kda_ops.triton.chunk.dv import chunk_bwd_dv  # noqa: E402
 from kda_ops.triton.chunk.tiles import BT  # noqa: E402
 from tests.triton.chunk.stages import OVERFLOW_WARNINGS, bwd_precisions, bwd_stage_case, dv_inputs, f32  # noqa: E402
@@ -38,6 +39,22 @@ def test_stage_dv(gates: str, device: torch.device) -> None:
             torch.testing.assert_close(a.float(), b, rtol=2.0**-7, atol=1e-30, msg=name)
         else:
             assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("flags", [{"PREFETCH": 1}, {"LATE_STORE": 1}], ids=["prefetch", "late_store"])
+def test_stage_dv_schedule_flags(flags: dict[str, int], device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stage's schedule flags in the launch table (the next value tile's loads ahead of the ``dv`` store, the
+    store after the tile's products) give the default form's outputs bit for bit. V = 40: two value tiles, the
+    second partial."""
+    c = bwd_stage_case("normal", H=1, HV=2, V=40, device=device)
+    c.update(dv_inputs(c))
+    prec, prec_t = bwd_precisions(device)
+    args = f32(c, "k", "v", "g", "beta", "Tm", "Hin", "E", "dE", "dO")
+    base = chunk_bwd_dv(*args, c["slots"], prec, prec_t)
+    monkeypatch.setitem(launch.LAUNCH, "dv", {**launch.LAUNCH["dv"], **flags})
+    got = chunk_bwd_dv(*args, c["slots"], prec, prec_t)
+    for name, a, b in zip(("dv", "dbeta", "dMqk", "dMkk", "dKt", "Gam"), got, base):
+        assert torch.equal(a, b), name
 
 
 def test_kernels_compile_for_sm90() -> None:

@@ -140,27 +140,34 @@ def pairwise_bwd(q, k, Nq, Nk, Gam, beta, dMqk, dMkk, tok0, count, i_h, i_hv, H,
 
 
 @triton.jit
-def anchored_bwd(qq, kk, G, Gmid, dMqk, dMkk, beta, tok, m, tok0, count, i_hv, HV, scale, BT: tl.constexpr,
-                 PREC: tl.constexpr, DT: tl.constexpr, SPAN: tl.constexpr):
+def load_dm(dMqk, dMkk, tok0, count, i_hv, HV, BT: tl.constexpr):
+    """``[dMqk; dMkk]`` of the chunk as one ``[2 BT, BT]`` tile, in its stored dtype."""
+    cols = tl.arange(0, BT)
+    r2 = tl.arange(0, 2 * BT)
+    row = r2 % BT
+    base = tl.where(r2 < BT, dMqk, dMkk) + i_hv * BT
+    return tl.load(base[:, None] + (tok0 + row)[:, None] * (HV * BT) + cols[None, :], mask=(row < count)[:, None],
+                   other=0.0)  # fmt: skip
+
+
+@triton.jit
+def anchored_bwd(qq, kk, G, Gmid, X2h, dMqk, dMkk, beta, tok, m, tok0, count, i_hv, HV, scale, BT: tl.constexpr,
+                 PREC: tl.constexpr, DT: tl.constexpr, SPAN: tl.constexpr, HELD: tl.constexpr):  # fmt: skip
     """:func:`pairwise_bwd`'s four results for one key tile ``[BT, BK]`` by the anchored factors (module docstring):
     ``G`` the tile's Gam and ``Gmid [BK]`` its anchor row; ``tok0``, ``count`` the chunk's first row and length.
+    ``HELD``: ``X2h`` is the chunk's ``[dMqk; dMkk]`` loaded before the key loop (:func:`load_dm`); otherwise the
+    tile loads it.
 
-    The four products are two, over ``[dMqk; dMkk]`` loaded as one ``[2 BT, BT]`` tile: ``[dMqk; dMkk] (k e^{-E})``
-    with ``2 BT`` rows, and ``[dMqk; dMkk]^T [s q R; k R b]`` with a ``2 BT``-deep contraction, each shared operand
-    staged once (the stage at B1 T32768 H32 bf16 on an H100: 5.52 -> 5.13 ms against four products). The stored
-    ``dMqk``, ``dMkk`` are the first operands, scale and beta outside them: exact in TF32 (16-bit storage), which
-    ``"tf32x2"`` needs. They are read per tile (from cache): kept across the tiles they would spill (ptxas, sm_90,
-    K = V = 128)."""
-    cols = tl.arange(0, BT)
+    The four products are two, over ``[dMqk; dMkk]`` as one ``[2 BT, BT]`` tile: ``[dMqk; dMkk] (k e^{-E})`` with
+    ``2 BT`` rows, and ``[dMqk; dMkk]^T [s q R; k R b]`` with a ``2 BT``-deep contraction, each shared operand staged
+    once (the stage at B1 T32768 H32 bf16 on an H100: 5.52 -> 5.13 ms against four products). The stored ``dMqk``,
+    ``dMkk`` are the first operands, scale and beta outside them: exact in TF32 (16-bit storage), which ``"tf32x2"``
+    needs."""
     E = tl.where(m[:, None], G - Gmid[None, :], 0.0)  # padding rows: factors 1, their X rows and columns are 0
     R = tl.exp(tl.minimum(E, SPAN))
     eN = tl.exp(tl.minimum(-E, SPAN))
     b = tl.load(beta + tok * HV + i_hv, mask=m, other=0.0).to(DT)
-    r2 = tl.arange(0, 2 * BT)
-    row = r2 % BT
-    base = tl.where(r2 < BT, dMqk, dMkk) + i_hv * BT
-    X2 = tl.load(base[:, None] + (tok0 + row)[:, None] * (HV * BT) + cols[None, :], mask=(row < count)[:, None],
-                 other=0.0).to(DT)  # fmt: skip
+    X2 = (X2h if HELD else load_dm(dMqk, dMkk, tok0, count, i_hv, HV, BT)).to(DT)
     daq, dak = split_rows(mm(X2, kk * eN, PREC, DT))
     daq = daq * (R * scale)
     dak = dak * R
@@ -169,26 +176,39 @@ def anchored_bwd(qq, kk, G, Gmid, dMqk, dMkk, beta, tok, m, tok0, count, i_hv, H
 
 
 @triton.jit
-def value_products(Hin, dSp, dO, E, s_off, tok, m, i_hv, HV, o_k, m_k, V: tl.constexpr, BV: tl.constexpr,
+def value_products(Hin, dSp, dO, E, doA, eA, s_off, tok, m, i_hv, HV, o_k, m_k, V: tl.constexpr, BV: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, PREC_OH: tl.constexpr, PREC_ED: tl.constexpr,
-                   DT: tl.constexpr):  # fmt: skip
+                   DT: tl.constexpr, BVA: tl.constexpr, HELD: tl.constexpr):  # fmt: skip
     """The key tile's products with the chunk's state and its gradient, in one pass over the value tiles (each
-    ``Hin`` tile loaded once): ``dQt = dO Hin^T``, ``dKe = E dS'^T`` ``[BT, BK]`` and ``rowsum(dS' * Hin) [BK]``."""
-    dQt = tl.zeros((BT, BK), dtype=DT)
-    dKe = tl.zeros((BT, BK), dtype=DT)
-    dsh = tl.zeros((BK,), dtype=DT)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = col_mask(o_v, V, BV)
+    ``Hin`` tile loaded once): ``dQt = dO Hin^T``, ``dKe = E dS'^T`` ``[BT, BK]`` and ``rowsum(dS' * Hin) [BK]``.
+    ``HELD``: ``doA``, ``eA`` are the chunk's whole ``dO``, ``E`` rows ``[BT, BVA]`` (``BVA = pow2(V)``), loaded
+    before the key loop, and each product takes the whole value width at once."""
+    if HELD:
+        o_v = tl.arange(0, BVA)
+        m_v = col_mask(o_v, V, BVA)
         m_s = m_k[:, None] & m_v[None, :]
         p_s = s_off + o_k[:, None] * V + o_v[None, :]
-        h = tl.load(Hin + p_s, mask=m_s, other=0.0).to(DT)  # [BK, BV]
-        do = load2(dO + i_hv * V, tok, m, HV * V, o_v, m_v, DT)  # [BT, BV]
+        h = tl.load(Hin + p_s, mask=m_s, other=0.0).to(DT)  # [BK, BVA]
         dsp = tl.load(dSp + p_s, mask=m_s, other=0.0).to(DT)
-        e = load2(E + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
-        dQt += mm(do, tl.trans(h), PREC_OH, DT)
-        dKe += mm(e, tl.trans(dsp), PREC_ED, DT)
-        dsh += tl.sum(dsp * h, axis=1)
+        dQt = mm(doA.to(DT), tl.trans(h), PREC_OH, DT)
+        dKe = mm(eA.to(DT), tl.trans(dsp), PREC_ED, DT)
+        dsh = tl.sum(dsp * h, axis=1)
+    else:
+        dQt = tl.zeros((BT, BK), dtype=DT)
+        dKe = tl.zeros((BT, BK), dtype=DT)
+        dsh = tl.zeros((BK,), dtype=DT)
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = col_mask(o_v, V, BV)
+            m_s = m_k[:, None] & m_v[None, :]
+            p_s = s_off + o_k[:, None] * V + o_v[None, :]
+            h = tl.load(Hin + p_s, mask=m_s, other=0.0).to(DT)  # [BK, BV]
+            do = load2(dO + i_hv * V, tok, m, HV * V, o_v, m_v, DT)  # [BT, BV]
+            dsp = tl.load(dSp + p_s, mask=m_s, other=0.0).to(DT)
+            e = load2(E + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
+            dQt += mm(do, tl.trans(h), PREC_OH, DT)
+            dKe += mm(e, tl.trans(dsp), PREC_ED, DT)
+            dsh += tl.sum(dsp * h, axis=1)
     return dQt, dKe, dsh
 
 
@@ -198,7 +218,8 @@ def chunk_bwd_dqk_kernel(
     slot_start, slot_count, scale, H, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, PREC_OH: tl.constexpr,
     PREC_ED: tl.constexpr, DT: tl.constexpr, ASPAN: tl.constexpr, BLOCKS: tl.constexpr,
-    NORMS: tl.constexpr, NORM_BWD: tl.constexpr, BKE: tl.constexpr, BKG: tl.constexpr,
+    NORMS: tl.constexpr, NORM_BWD: tl.constexpr, BKE: tl.constexpr, BKG: tl.constexpr, BVA: tl.constexpr,
+    PREFETCH: tl.constexpr = 0, HOLD_DM: tl.constexpr = 0, HOLD_DOE: tl.constexpr = 0,
 ):  # fmt: skip
     """Two passes over the chunk slots, as stage 2 of the forward. ``BLOCKS = False``: the anchored pass; a chunk
     with a ``|Gam - Gam_mid|`` beyond ``ASPAN`` is flagged (``flag = 1``). ``BLOCKS = True``: the block pass, for the
@@ -208,7 +229,13 @@ def chunk_bwd_dqk_kernel(
     ``NORM_BWD`` (with ``NORMS``, one value head per key head): ``dq``, ``dk`` are scratch, and ``dqx``, ``dkx`` take
     the gradients of the raw rows through their l2norm (:func:`~kda_ops.triton.lang.l2norm_bwd`), from whole rows
     (``BKE = pow2(K)``) read back from the program's own stores after the key loop. The loop carries no sums for
-    it: sums of ``y . dy`` kept live through the loop cost the stage more than the whole read-back."""
+    it: sums of ``y . dy`` kept live through the loop cost the stage more than the whole read-back.
+
+    The anchored pass's schedule (:data:`~kda_ops.triton.launch.LAUNCH` flags, 0 by default; the block pass takes
+    none): ``PREFETCH`` 1 loads the next key tile's ``q``, ``k``, ``Gam`` before the tile's stores (2: its ``dKt``
+    too), so that they issue without waiting for the stores (the next tile's columns are not those the stores
+    write); ``HOLD_DM`` loads ``[dMqk; dMkk]`` once before the key loop instead of per tile; ``HOLD_DOE`` the
+    chunk's ``dO`` and ``E`` rows ``[BT, BVA]`` too (:func:`value_products`). Each computes the same values."""
     i_c, i_hv = chunk_item(HV)
     i_h = i_hv // (HV // H)
     count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
@@ -237,6 +264,27 @@ def chunk_bwd_dqk_kernel(
     db = tl.load(dbeta_in + tok * HV + i_hv, mask=m, other=0.0).to(DT)
     rq = row_factors(Nq, tok, m, i_h, H, DT, NORMS)  # the l2norm factors of the chunk's q and k rows (or 1.0)
     rk = row_factors(Nk, tok, m, i_h, H, DT, NORMS)
+    if HOLD_DM and not BLOCKS:
+        X2 = load_dm(dMqk, dMkk, tok0, count, i_hv, HV, BT)  # [2 BT, BT]
+    else:
+        X2 = tl.zeros((2 * BT, BT), dtype=DT)  # not read
+    if HOLD_DOE and not BLOCKS:
+        o_v = tl.arange(0, BVA)
+        m_v = col_mask(o_v, V, BVA)
+        doA = load2(dO + i_hv * V, tok, m, HV * V, o_v, m_v, dO.dtype.element_ty)  # [BT, BVA]
+        eA = load2(E + i_hv * V, tok, m, HV * V, o_v, m_v, E.dtype.element_ty)
+    else:
+        doA = tl.zeros((BT, BVA), dtype=DT)  # not read
+        eA = tl.zeros((BT, BVA), dtype=DT)
+    if PREFETCH > 0 and not BLOCKS:
+        # the first key tile's q, k, Gam (and dKt), carried from one tile to the next (no name of the loop's own:
+        # a name assigned before the loop and in it becomes a loop-carried value)
+        o_n = tl.arange(0, BK)
+        m_n = col_mask(o_n, K, BK)
+        qn = load2(q + i_h * K, tok, m, H * K, o_n, m_n, DT)
+        kn = load2(k + i_h * K, tok, m, H * K, o_n, m_n, DT)
+        Gn = load2(Gam + i_hv * K, tok, m, HV * K, o_n, m_n, DT)
+        dkn = load2(dKt + i_hv * K, tok, m, HV * K, o_n, m_n, DT) if PREFETCH > 1 else 0.0
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = col_mask(o_k, K, BK)
@@ -248,22 +296,27 @@ def chunk_bwd_dqk_kernel(
             qq = scale_rows(load2(q + i_h * K, tok, m, H * K, o_k, m_k, DT), rq, NORMS)  # [BT, BK]
             kk = scale_rows(load2(k + i_h * K, tok, m, H * K, o_k, m_k, DT), rk, NORMS)
             Gm = load2(Gam + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
+        elif PREFETCH > 0:
+            qq = scale_rows(qn, rq, NORMS)
+            kk = scale_rows(kn, rk, NORMS)
+            Gm = Gn
         else:
             qq = scale_rows(load2(q + i_h * K, tok, m, H * K, o_k, m_k, DT), rq, NORMS)
             kk = scale_rows(load2(k + i_h * K, tok, m, H * K, o_k, m_k, DT), rk, NORMS)
             Gm = load2(Gam + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
+        if not BLOCKS:
             Gmid = tl.load(p_mid + o_k, mask=m_k, other=0.0).to(DT)
             ok = ok & (max2(tl.where(m[:, None], tl.abs(Gm - Gmid[None, :]), 0.0)) <= ASPAN)
-            daq, dak, dbk, dbeta_kk = anchored_bwd(qq, kk, Gm, Gmid, dMqk, dMkk, beta, tok, m, tok0, count, i_hv, HV,
-                                                   scale, BT, PREC, DT, ASPAN)  # fmt: skip
-        dkt = load2(dKt + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
+            daq, dak, dbk, dbeta_kk = anchored_bwd(qq, kk, Gm, Gmid, X2, dMqk, dMkk, beta, tok, m, tok0, count, i_hv,
+                                                   HV, scale, BT, PREC, DT, ASPAN, HOLD_DM)  # fmt: skip
+        dkt = dkn if PREFETCH > 1 and not BLOCKS else load2(dKt + i_hv * K, tok, m, HV * K, o_k, m_k, DT)
         db += dbeta_kk
         dq_t = daq
         dk_t = dak + dbk
         dGam = qq * daq + kk * (dak - dbk)
         # dQt = dO S^T, dKend = E dS'^T and rowsum(dS' * S) (for the state decay), in one pass over the value tiles
-        dQt, dKe, dsh = value_products(Hin, dSp, dO, E, s_off, tok, m, i_hv, HV, o_k, m_k, V, BV, BT, BK, PREC_OH,
-                                       PREC_ED, DT)  # fmt: skip
+        dQt, dKe, dsh = value_products(Hin, dSp, dO, E, doA, eA, s_off, tok, m, i_hv, HV, o_k, m_k, V, BV, BT, BK,
+                                       PREC_OH, PREC_ED, DT, BVA, HOLD_DOE and not BLOCKS)  # fmt: skip
         eG = tl.exp(Gm)  # Gam <= 0 and Gam_last - Gam <= 0: both at most 1 (padding rows load 0 and drop out)
         sdQt = scale * eG * dQt
         dq_t += sdQt
@@ -276,6 +329,15 @@ def chunk_bwd_dqk_kernel(
         Ke = kk * eE
         dk_t += eE * dKe
         dGam -= Ke * dKe
+        if PREFETCH > 0 and not BLOCKS:
+            # after the last tile, the first again (not read)
+            o_n = ((i_k + 1) % tl.cdiv(K, BK)) * BK + tl.arange(0, BK)
+            m_n = col_mask(o_n, K, BK)
+            qn = load2(q + i_h * K, tok, m, H * K, o_n, m_n, DT)
+            kn = load2(k + i_h * K, tok, m, H * K, o_n, m_n, DT)
+            Gn = load2(Gam + i_hv * K, tok, m, HV * K, o_n, m_n, DT)
+            if PREFETCH > 1:
+                dkn = load2(dKt + i_hv * K, tok, m, HV * K, o_n, m_n, DT)
         # the tile's stores after all of its loads: a load after a store it might alias cannot be issued early
         store2(dq + i_hv * K, tok, m, HV * K, o_k, m_k, dq_t)
         store2(dk + i_hv * K, tok, m, HV * K, o_k, m_k, dk_t)
@@ -369,10 +431,10 @@ def chunk_bwd_dqk(
             contiguous(E), dSp, contiguous(dO), dbeta_partial, dq, dk, dg, dbeta, dqx, dkx, flag, slots.start,
             slots.count, float(scale), H, HV, K=K, V=V, NB=NB, BC=BC, BT=BT, PREC=prec, PREC_OH=exact_bf16(ps, dO, Hin),
             PREC_ED=exact_bf16(ps, E, dSp), DT=compute_dtype(Gl), ASPAN=ANCHOR_SPAN, BLOCKS=blocks,
-            NORMS=norms is not None, NORM_BWD=fused, BKE=pow2(K), BKG=launch("dv", BK=K, BV=V)["BK"],
+            NORMS=norms is not None, NORM_BWD=fused, BKE=pow2(K), BKG=launch("dv", BK=K, BV=V)["BK"], BVA=pow2(V),
             **launch("dqk_blocks" if blocks else "dqk_split" if prec == "tf32x2" else "dqk", BK=K, BV=V),
         )  # fmt: skip
     return dqx, dkx, dg, dbeta
 
 
-__all__ = ["anchored_bwd", "chunk_bwd_dqk", "norm_in_epilogue", "pairwise_bwd"]
+__all__ = ["anchored_bwd", "chunk_bwd_dqk", "load_dm", "norm_in_epilogue", "pairwise_bwd"]

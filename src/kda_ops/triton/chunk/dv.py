@@ -44,11 +44,27 @@ from kda_ops.varlen import SlotRows
 
 
 @triton.jit
+def value_tiles(dO, E, dE, v, tok, m, i_hv, HV, i_v, V: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
+    """The value tile ``i_v`` of ``dO``, ``E``, ``dE``, ``v`` ``[BT, BV]`` and its columns and mask."""
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = col_mask(o_v, V, BV)
+    do = load2(dO + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
+    e = load2(E + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
+    de = load2(dE + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
+    vv = load2(v + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
+    return do, e, de, vv, o_v, m_v
+
+
+@triton.jit
 def chunk_bwd_dv_kernel(
     k, Nk, v, g, beta, Tm, Hin, E, dE, dO, dv, dbeta, dMqk, dMkk, dKt, Gam, slot_start, slot_count, H, HV,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     PREC: tl.constexpr, PREC_T: tl.constexpr, PREC_OE: tl.constexpr, DT: tl.constexpr, NORMS: tl.constexpr,
+    PREFETCH: tl.constexpr = 0, LATE_STORE: tl.constexpr = 0,
 ):  # fmt: skip
+    """Schedule (:data:`~kda_ops.triton.launch.LAUNCH` flags, 0 by default): ``PREFETCH`` loads the next value
+    tile's ``dO``, ``E``, ``dE``, ``v`` before the tile's ``dv`` store, so that they issue without waiting for it;
+    ``LATE_STORE`` stores ``dv`` after the tile's other products. Each computes the same values."""
     i_c, i_hv = chunk_item(HV)
     i_h = i_hv // (HV // H)
     count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
@@ -66,18 +82,32 @@ def chunk_bwd_dv_kernel(
     dMk = tl.zeros((BT, BT), dtype=DT)
     db = tl.zeros((BT,), dtype=DT)
     # value side: dMqk, dv, its share of dbeta, and dMkk = -tril(X E^T, -1)
+    if PREFETCH:
+        do, e, de, vv, o_v, m_v = value_tiles(dO, E, dE, v, tok, m, i_hv, HV, 0, V, BV, DT)
     for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = col_mask(o_v, V, BV)
-        do = load2(dO + i_hv * V, tok, m, HV * V, o_v, m_v, DT)  # [BT, BV]
-        e = load2(E + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
-        de = load2(dE + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
-        vv = load2(v + i_hv * V, tok, m, HV * V, o_v, m_v, DT)
+        if not PREFETCH:
+            do, e, de, vv, o_v, m_v = value_tiles(dO, E, dE, v, tok, m, i_hv, HV, i_v, V, BV, DT)  # [BT, BV]
         dA += mm(do, tl.trans(e), PREC_OE, DT)
         X = mm(TmT, de, PREC, DT)
-        store2(dv + i_hv * V, tok, m, HV * V, o_v, m_v, b[:, None] * X)
-        db += tl.sum(X * vv, axis=1)
-        dMk -= mm(X, tl.trans(e), PREC_T, DT)
+        if PREFETCH:
+            e_t = e
+            v_t = vv
+            o_t = o_v
+            m_t = m_v
+            # after the last tile, the first again (not read)
+            do, e, de, vv, o_v, m_v = value_tiles(dO, E, dE, v, tok, m, i_hv, HV, (i_v + 1) % tl.cdiv(V, BV), V,
+                                                  BV, DT)  # fmt: skip
+            store2(dv + i_hv * V, tok, m, HV * V, o_t, m_t, b[:, None] * X)
+            db += tl.sum(X * v_t, axis=1)
+            dMk -= mm(X, tl.trans(e_t), PREC_T, DT)
+        elif LATE_STORE:
+            db += tl.sum(X * vv, axis=1)
+            dMk -= mm(X, tl.trans(e), PREC_T, DT)
+            store2(dv + i_hv * V, tok, m, HV * V, o_v, m_v, b[:, None] * X)
+        else:
+            store2(dv + i_hv * V, tok, m, HV * V, o_v, m_v, b[:, None] * X)
+            db += tl.sum(X * vv, axis=1)
+            dMk -= mm(X, tl.trans(e), PREC_T, DT)
     # key side: dW = -dE S^T per key tile, dKt and its share of dbeta; Gam stored for stage 3b
     s_off = (i_c.to(tl.int64) * HV + i_hv) * K * V
     for i_k in range(tl.cdiv(K, BK)):
