@@ -5,7 +5,8 @@ A variant changes entries of :data:`kda_ops.triton.launch.LAUNCH` for the length
 ``STAGE:KEY=VALUE[,KEY=VALUE...]``, several stages joined by ``+``; for example ``prepare:BK=16``,
 ``prepare:BK=16,maxnreg=168`` or ``prepare:num_stages=2+dqk:num_warps=4``. Keys are those of the table's entries
 (``num_warps``, ``num_stages``, the stage's tiles ``BK``/``BV``), ``maxnreg``, a register cap per thread, and the
-schedule flags of :data:`kda_ops.triton.launch.SCHEDULE_FLAGS` (``dqk:PREFETCH=2,HOLD_DM=1``, ``dv:LATE_STORE=1``). The
+stage's schedule flags, :data:`kda_ops.triton.launch.SCHEDULE_FLAGS` (``dqk:PREFETCH=2,HOLD_DM=1``,
+``dv:LATE_STORE=1``; with ``--dtype fp16`` the dq/dk stage launches as ``dqk_split``). The
 pseudo-stage ``forms`` forces the kernel forms of :func:`kda_ops.triton.force_forms` instead: ``forms:scan_segments=4``
 (the split scan's segments per sequence), ``forms:scan_block_v=32``, ``forms:output_per_item=1``. ``--graph`` times
 each call as a CUDA-graph replay (a short prompt, where an eager call measures the host).
@@ -44,7 +45,7 @@ import bench_chunk_bwd  # noqa: E402
 import kda_ops  # noqa: E402
 from kda_ops.triton import force_forms, launch  # noqa: E402
 
-KEYS = ("num_warps", "num_stages", "BK", "BV", "maxnreg", *launch.SCHEDULE_FLAGS)
+KEYS = ("num_warps", "num_stages", "BK", "BV", "maxnreg")
 FORMS = ("scan_segments", "scan_block_v", "output_per_item")
 DEFAULT_SHAPES = ["1,32768,32", "8,4096,32", "1,32768,4"]
 
@@ -58,7 +59,7 @@ def parse_variant(text: str) -> dict[str, dict[str, int]]:
         if not sep or (stage not in launch.LAUNCH and stage != "forms"):
             raise ValueError(f"variant {text!r}: expected STAGE:KEY=VALUE with STAGE one of "
                              f"{sorted(launch.LAUNCH)} or forms")  # fmt: skip
-        keys = FORMS if stage == "forms" else KEYS
+        keys = FORMS if stage == "forms" else (*KEYS, *launch.SCHEDULE_FLAGS.get(stage, ()))
         entry = out.setdefault(stage, {})
         for item in items.split(","):
             key, eq, value = item.partition("=")

@@ -58,11 +58,16 @@ def test_launch_variants_parse_and_restore_the_table() -> None:
         assert launch.launch("prepare", BK=128, BV=128)["BK"] == 16
         assert launch.launch("prepare", BK=128, BV=128)["maxnreg"] == 168
     assert launch.LAUNCH == before
+    flags = bench_launch.parse_variant("dqk:PREFETCH=2,HOLD_DM=1+dv:LATE_STORE=1")
+    with bench_launch.launched(flags):  # a stage's schedule flags reach its kernel's launch
+        assert launch.launch("dqk", BK=128, BV=128)["PREFETCH"] == 2
+        assert launch.launch("dv", BK=128, BV=128)["LATE_STORE"] == 1
+    assert "PREFETCH" not in launch.launch("dqk", BK=128, BV=128)
     forms = bench_launch.parse_variant("forms:scan_segments=4,output_per_item=1")
     with bench_launch.launched(forms):
         assert (launch.forced.scan_segments, launch.forced.output_per_item) == (4, True)
     assert (launch.forced.scan_segments, launch.forced.output_per_item) == (None, None)
-    for bad in ("prepare", "nostage:BK=16", "prepare:BK=x", "prepare:XX=1", "forms:BK=16"):
+    for bad in ("prepare", "nostage:BK=16", "prepare:BK=x", "prepare:XX=1", "forms:BK=16", "prepare:PREFETCH=1"):
         with pytest.raises(ValueError, match="variant"):
             bench_launch.parse_variant(bad)
     assert bench_launch.parse_shape("1,32768,32") == (1, 32768, 32)

@@ -292,8 +292,8 @@ def backward_launches(x_dtype: torch.dtype = BF, H: int = 32, D: int = 128, tag:
         meta = dict(kwargs)
         warps, stages = meta.pop("num_warps", 4), meta.pop("num_stages", 3)
         a: dict[str, Any] = {n: v.dtype if isinstance(v, torch.Tensor) else v for n, v in zip(fn.arg_names, args)}
-        for param in fn.params[len(args):]:
-            a[param.name] = meta[param.name] if param.name in meta else param.default
+        for param in fn.params[len(args):]:  # a parameter neither passed nor defaulted: a KeyError
+            a[param.name] = meta[param.name] if param.name in meta or not param.has_default else param.default
         flags = "".join(f" {flag}" for flag in ("BLOCKS", "BACKWARD", "STORE_TM", "STATE_V_FIRST") if meta.get(flag))
         flags += f" PHASE {meta['PHASE']}" if meta.get("PHASE") else ""
         source = fn.__module__.removeprefix("kda_ops.triton.")
@@ -489,11 +489,12 @@ def probe(*argv: str) -> tuple[subprocess.CompletedProcess[str], list[dict[str, 
     return run, [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
 
 
-def check_compiles(source: str, no_spills: Callable[[str], bool] = lambda name: False) -> list[dict[str, Any]]:
-    """Compile the variants of ``source`` (:func:`probe`) and assert that each compiled (and, for the variants
-    ``no_spills`` names, that none spills); returns their JSON records. Runs, and means the same, on a machine with
-    a GPU."""
-    run, results = probe(source)
+def check_compiles(source: str, *overrides: str,
+                   no_spills: Callable[[str], bool] = lambda name: False) -> list[dict[str, Any]]:  # fmt: skip
+    """Compile the variants of ``source`` (:func:`probe`; ``overrides``: ``NAME=VALUE`` arguments, :func:`main`) and
+    assert that each compiled within its bounds (and, for the variants ``no_spills`` names, that none spills);
+    returns their JSON records. Runs, and means the same, on a machine with a GPU."""
+    run, results = probe(source, *overrides)
     assert results, f"no result from tests/triton/sm90.py {source}: {run.stderr[-3000:]}"
     failed = [f"{r['variant']}: {r['error']}" for r in results if not r["ok"]]
     assert not failed, "\n".join(failed)

@@ -155,9 +155,13 @@ LAUNCH: dict[str, dict[str, int]] = {
     "dqk_blocks": {"num_warps": 4, "num_stages": 1, "BK": 32, "BV": 32},
 }
 
-# Flags of a stage's schedule that an entry of LAUNCH may set (each kernel that takes one documents it; absent, the
-# kernel's default, 0): the order of loads and stores, tiles held across a loop. Each form computes the same values.
-SCHEDULE_FLAGS = ("PREFETCH", "HOLD_DM", "HOLD_DOE", "LATE_STORE")
+# Flags of a stage's schedule that its entry of LAUNCH may set, per stage (the kernel documents them; absent, the
+# kernel's default, 0): the order of loads and stores, tiles held across a loop.
+SCHEDULE_FLAGS: dict[str, tuple[str, ...]] = {
+    "dqk": ("PREFETCH", "HOLD_DM", "HOLD_DOE"),
+    "dqk_split": ("PREFETCH", "HOLD_DM"),  # HOLD_DOE spills 344 B per thread there (ptxas, sm_90)
+    "dv": ("PREFETCH", "LATE_STORE"),
+}
 
 # The output stage's form: below FEW_ITEMS_PER_SM (chunk slot, value head) pairs per SM the 16-bit path takes a
 # program per item at value tile 64 rather than a program per SM walking 128-wide items, since a short prompt leaves
@@ -220,7 +224,7 @@ def launch(stage: str, table: Mapping[str, Mapping[str, int]] = LAUNCH, **tiles:
     out = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     if "maxnreg" in cfg:  # a register cap per thread, for a stage that runs more programs per SM under it
         out["maxnreg"] = cfg["maxnreg"]
-    for flag in SCHEDULE_FLAGS:
+    for flag in SCHEDULE_FLAGS.get(stage, ()):
         if flag in cfg:
             out[flag] = cfg[flag]
     narrowed = [pow2(dim) for name, dim in tiles.items() if pow2(dim) < cfg[name]]

@@ -28,9 +28,9 @@ pytestmark = [*OVERFLOW_WARNINGS, pytest.mark.usefixtures("triton_path")]
 NAMES = ("q", "k", "Gam", "Gl", "beta", "dMqk", "dMkk", "dKt", "Hin", "E", "dSp", "dO", "dbeta")
 
 
-def _dqk_case(gates: str, device: torch.device, K: int = 20) -> dict[str, Any]:
+def _dqk_case(gates: str, device: torch.device, K: int = 20, V: int = 12) -> dict[str, Any]:
     """A backward stage case with the oracle's stage 3a (the dq/dk stage's inputs)."""
-    c = bwd_stage_case(gates, H=1, HV=2, K=K, device=device)
+    c = bwd_stage_case(gates, H=1, HV=2, K=K, V=V, device=device)
     c.update(dv_inputs(c))
     _, dbeta, dMqk, dMkk, dKt, Gam = oracle_dv(c["k"], c["v"], c["g"], c["beta"], c["Tm"], c["Hin"], c["E"],
                                                c["dE"], c["dO"], c["slots"], BT)  # fmt: skip
@@ -80,11 +80,14 @@ def test_stage_dqk_split_products(blocks: bool, device: torch.device, monkeypatc
         assert_rel(a, b, 1e-5, name)
 
 
-@pytest.mark.parametrize("blocks", [False, True], ids=["anchored", "blocks"])
-def test_stage_dqk_l2norm_epilogue(blocks: bool, device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("blocks", "flags"), [(False, {}), (True, {}), (False, {"PREFETCH": 2, "HOLD_DM": 1})],
+                         ids=["anchored", "blocks", "anchored_prefetch"])  # fmt: skip
+def test_stage_dqk_l2norm_epilogue(blocks: bool, flags: dict[str, int], device: torch.device,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """With ``norm_dtype`` (one value head per key head) the stage returns the raw rows' gradients through their
-    l2norm, in both passes: the oracle's dq, dk of the normalised rows chained through float64 autograd of the
-    reference l2norm."""
+    l2norm, in both passes (and with the anchored pass's loads ahead, which scale the raw rows a tile later): the
+    oracle's dq, dk of the normalised rows chained through float64 autograd of the reference l2norm."""
+    monkeypatch.setitem(launch.LAUNCH, "dqk", {**launch.LAUNCH["dqk"], **flags})
     c = bwd_stage_case("half_reset", H=2, HV=2, K=40, device=device)
     c.update(dv_inputs(c))
     _, dbeta, dMqk, dMkk, dKt, Gam = oracle_dv(c["k"], c["v"], c["g"], c["beta"], c["Tm"], c["Hin"], c["E"],
@@ -127,8 +130,9 @@ def test_stage_dqk_schedule_flags(flags: dict[str, int], device: torch.device, m
     """The anchored pass's schedule flags in the launch table (the next key tile's loads ahead of the stores, tiles
     held across the key loop) give the same gradients: against the oracle, and equal bit for bit to the default
     form's where the products are the same (``HOLD_DOE`` sums the value tiles in one product). K = 40: two key
-    tiles, the second partial; ``half_reset`` sends one chunk through the block pass, which takes no flags."""
-    c = _dqk_case("half_reset", device, K=40)
+    tiles, the second partial; V = 72: two value tiles (of 64), the second partial; ``half_reset`` sends one chunk
+    through the block pass, which takes no flags."""
+    c = _dqk_case("half_reset", device, K=40, V=72)
     prec, _ = bwd_precisions(device, exact=True)
     with poison_outputs():
         base = dqk.chunk_bwd_dqk(*f32(c, *NAMES), 0.4, c["slots"], prec, g=c["g"].float())
@@ -158,3 +162,9 @@ def test_kernels_compile_for_sm90() -> None:
     """The dq/dk stage (both passes) lowers for sm_90 as the backward launches it, its anchored pass within the
     backward's spill bound (``tests/triton/sm90.py``)."""
     check_compiles("chunk.dqk")
+
+
+@pytest.mark.slow
+def test_schedule_flags_compile_for_sm90() -> None:
+    """The anchored pass with its loads ahead and ``[dMqk; dMkk]`` held lowers for sm_90 within the spill bound."""
+    check_compiles("chunk.dqk", "PREFETCH=2", "HOLD_DM=1")

@@ -45,7 +45,7 @@ def test_stage_dv(gates: str, device: torch.device) -> None:
 def test_stage_dv_schedule_flags(flags: dict[str, int], device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
     """The stage's schedule flags in the launch table (the next value tile's loads ahead of the ``dv`` store, the
     store after the tile's products) give the default form's outputs bit for bit. V = 40: two value tiles, the
-    second partial."""
+    second partial (outputs poisoned first, by the ``triton_path`` fixture)."""
     c = bwd_stage_case("normal", H=1, HV=2, V=40, device=device)
     c.update(dv_inputs(c))
     prec, prec_t = bwd_precisions(device)
@@ -61,3 +61,10 @@ def test_kernels_compile_for_sm90() -> None:
     """The dv stage lowers for sm_90 as the backward launches it, within the backward's spill bound
     (``tests/triton/sm90.py``)."""
     check_compiles("chunk.dv")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag", ["PREFETCH=1", "LATE_STORE=1"])
+def test_schedule_flags_compile_for_sm90(flag: str) -> None:
+    """The stage with its schedule flags lowers for sm_90 within the spill bound."""
+    check_compiles("chunk.dv", flag)

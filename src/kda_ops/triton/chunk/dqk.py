@@ -235,7 +235,9 @@ def chunk_bwd_dqk_kernel(
     none): ``PREFETCH`` 1 loads the next key tile's ``q``, ``k``, ``Gam`` before the tile's stores (2: its ``dKt``
     too), so that they issue without waiting for the stores (the next tile's columns are not those the stores
     write); ``HOLD_DM`` loads ``[dMqk; dMkk]`` once before the key loop instead of per tile; ``HOLD_DOE`` the
-    chunk's ``dO`` and ``E`` rows ``[BT, BVA]`` too (:func:`value_products`). Each computes the same values."""
+    chunk's ``dO`` and ``E`` rows ``[BT, BVA]`` too (:func:`value_products`; built for V <= 128). ``PREFETCH`` and
+    ``HOLD_DM`` compute the same values; ``HOLD_DOE`` sums each state product over the whole value width in one
+    product, so where V spans several value tiles it rounds differently."""
     i_c, i_hv = chunk_item(HV)
     i_h = i_hv // (HV // H)
     count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
@@ -330,14 +332,14 @@ def chunk_bwd_dqk_kernel(
         dk_t += eE * dKe
         dGam -= Ke * dKe
         if PREFETCH > 0 and not BLOCKS:
-            # after the last tile, the first again (not read)
-            o_n = ((i_k + 1) % tl.cdiv(K, BK)) * BK + tl.arange(0, BK)
+            o_n = (i_k + 1) * BK + tl.arange(0, BK)
             m_n = col_mask(o_n, K, BK)
-            qn = load2(q + i_h * K, tok, m, H * K, o_n, m_n, DT)
-            kn = load2(k + i_h * K, tok, m, H * K, o_n, m_n, DT)
-            Gn = load2(Gam + i_hv * K, tok, m, HV * K, o_n, m_n, DT)
+            r_n = m & (i_k + 1 < tl.cdiv(K, BK))  # no rows after the last tile: nothing is loaded
+            qn = load2(q + i_h * K, tok, r_n, H * K, o_n, m_n, DT)
+            kn = load2(k + i_h * K, tok, r_n, H * K, o_n, m_n, DT)
+            Gn = load2(Gam + i_hv * K, tok, r_n, HV * K, o_n, m_n, DT)
             if PREFETCH > 1:
-                dkn = load2(dKt + i_hv * K, tok, m, HV * K, o_n, m_n, DT)
+                dkn = load2(dKt + i_hv * K, tok, r_n, HV * K, o_n, m_n, DT)
         # the tile's stores after all of its loads: a load after a store it might alias cannot be issued early
         store2(dq + i_hv * K, tok, m, HV * K, o_k, m_k, dq_t)
         store2(dk + i_hv * K, tok, m, HV * K, o_k, m_k, dk_t)

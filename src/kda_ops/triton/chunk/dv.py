@@ -94,9 +94,9 @@ def chunk_bwd_dv_kernel(
             v_t = vv
             o_t = o_v
             m_t = m_v
-            # after the last tile, the first again (not read)
-            do, e, de, vv, o_v, m_v = value_tiles(dO, E, dE, v, tok, m, i_hv, HV, (i_v + 1) % tl.cdiv(V, BV), V,
-                                                  BV, DT)  # fmt: skip
+            # no rows after the last tile: nothing is loaded
+            do, e, de, vv, o_v, m_v = value_tiles(dO, E, dE, v, tok, m & (i_v + 1 < tl.cdiv(V, BV)), i_hv, HV,
+                                                  i_v + 1, V, BV, DT)  # fmt: skip
             store2(dv + i_hv * V, tok, m, HV * V, o_t, m_t, b[:, None] * X)
             db += tl.sum(X * v_t, axis=1)
             dMk -= mm(X, tl.trans(e_t), PREC_T, DT)
