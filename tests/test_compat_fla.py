@@ -236,6 +236,7 @@ REFUSED: dict[str, tuple[str, dict[str, Any], type[Exception], str]] = {
                                       NotImplementedError, "num_accepted_tokens"),
     "recurrent per-channel beta": ("fused_recurrent_kda", {"beta": torch.rand(B, T, HV, V)}, NotImplementedError,
                                    "beta"),
+    "recurrent beta [B, T, HV, 1]": ("fused_recurrent_kda", {"beta": torch.rand(B, T, HV, 1)}, ValueError, "beta"),
     # the peer's own checks of its tuning options
     "chunk_size 16": ("chunk_kda", {"chunk_size": 16}, ValueError, "chunk_size"),
     "safe_gate without lower_bound": ("chunk_kda", {"safe_gate": True, "use_gate_in_kernel": True, "A_log": "A"},

@@ -176,6 +176,13 @@ def test_distributed_names_the_bad_argument(tmp_path: Path) -> None:
                           ({"initial_state": torch.zeros(1, 1, 4, 4, dtype=torch.int32)}, "initial_state")):
             with pytest.raises(TypeError, match=f"^{name}: expected"):
                 distributed.chunk_kda(**{**x, **bad})
+        # named before the slice is widened by the identity's columns (the meta device stands in for another)
+        for bad, name in (({"v": torch.cat([x["v"], x["v"]])}, "v"), ({"v": x["v"][:, :4]}, "v"),
+                          ({"g": x["g"][..., :2]}, "g"), ({"beta": x["beta"][..., None]}, "beta"),
+                          ({"initial_state": torch.zeros(1, 1, 4, 4, device="meta")}, "initial_state"),
+                          ({"cu_seqlens": torch.tensor([0, 3, 8], device="meta")}, "cu_seqlens")):  # fmt: skip
+            with pytest.raises(ValueError, match=f"^{name}: expected"):
+                distributed.chunk_kda(**{**x, **bad})
         o, _ = distributed.chunk_kda(**x, cu_seqlens=torch.tensor([0, 3, 8]))
         assert torch.allclose(o, kda_ops.chunk_kda(**x, cu_seqlens=torch.tensor([0, 3, 8]))[0])
     finally:

@@ -338,6 +338,18 @@ def test_bad_calls_are_named() -> None:
         "conv_pool": (lambda: m.forward_pool(x, conv_pool[:3], state_pool, torch.tensor([0, 1])), ValueError),
         "conv_pool ": (lambda: m.forward_pool(x, conv_pool.int(), state_pool, torch.tensor([0, 1])), TypeError),
         "state_pool": (lambda: m.forward_pool(x, conv_pool, state_pool[0], torch.tensor([0, 1])), ValueError),
+        # checked before any work, so that none fails deep inside (the meta device stands in for another device)
+        "attention_mask": (lambda: m(x, attention_mask=[[1] * 3] * 2), TypeError),
+        "attention_mask ": (lambda: m(x, attention_mask=torch.ones(2, 3, device="meta")), ValueError),
+        "cu_seqlens ": (lambda: m(x[:1], cu_seqlens=torch.tensor([[0, 3]])), ValueError),
+        "cu_seqlens  ": (lambda: m(x[:1], cu_seqlens=torch.tensor([0.0, 3.0])), TypeError),
+        "state.conv": (lambda: m(x, state=KimiState(conv_pool[:2].int(), state_pool[:2])), TypeError),
+        "state.conv ": (lambda: m(x, state=KimiState(conv_pool[:2].to("meta"), state_pool[:2])), ValueError),
+        "state.recurrent": (lambda: m(x, state=KimiState(conv_pool[:2], state_pool[:2].to("meta"))), ValueError),
+        "conv_pool  ": (lambda: m.forward_pool(x, conv_pool.to("meta"), state_pool, torch.tensor([0, 1])), ValueError),
+        "state_pool ": (lambda: m.forward_pool(x, conv_pool, state_pool.to("meta"), torch.tensor([0, 1])), ValueError),
+        "state_indices  ": (lambda: m.forward_pool(x, conv_pool, state_pool, torch.tensor([0, 1], device="meta")),
+                            ValueError),  # fmt: skip
     }
     for name, (call, exc) in calls.items():
         with pytest.raises(exc, match=f"^{name.strip()}: expected"):

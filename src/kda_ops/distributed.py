@@ -30,6 +30,7 @@ from kda_ops.api import (
     _check_cu_seqlens_values,
     _check_shape,
     _layout,
+    _validate,
     check_cu_seqlens_form,
     check_flags,
     check_float,
@@ -123,11 +124,9 @@ def chunk_kda(
     group = dist.group.WORLD if group is None else group
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     check_flags(("output_final_state", output_final_state), ("state_v_first", state_v_first))
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        check_float(name, x)
-    if q.dim() != 4 or v.dim() != 4:
-        bad = "q" if q.dim() != 4 else "v"
-        raise ValueError(f"{bad}: expected a 4-D tensor, got shape {list((q if bad == 'q' else v).shape)}")
+    # the slice and the gate's arguments as chunk_kda checks them, before the slice is widened by K columns (the
+    # sequences and the state belong to the whole row: checked here)
+    _validate(q, k, v, g, beta, scale, None, None, use_gate_in_kernel, A_log, dt_bias, lower_bound)
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if cu_seqlens is not None:  # its type and shape here, its values on the whole row below
@@ -138,6 +137,9 @@ def chunk_kda(
         want = state_shape(N, HV, K, V, state_v_first)
         _check_shape("initial_state", initial_state, want, _layout("N", state_v_first))
         initial_state = transposed(initial_state) if state_v_first else initial_state
+    for name, x in (("cu_seqlens", cu_seqlens), ("initial_state", initial_state)):
+        if x is not None and x.device != q.device:
+            raise ValueError(f"{name}: expected a tensor on q's device {q.device}, got {x.device}")
     dtype = state_dtype(v)
     options: dict[str, Any] = dict(
         scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,

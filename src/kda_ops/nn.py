@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from kda_ops import checks
 from kda_ops.api import (
     MAX_HEAD_DIM,
+    check_cu_seqlens_form,
     check_flags,
     check_float,
     check_indices,
@@ -330,8 +331,12 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         if attention_mask is not None:
+            if not isinstance(attention_mask, Tensor):
+                raise TypeError(f"attention_mask: expected a torch.Tensor [B, T] or None, got "
+                                f"{type(attention_mask).__name__}")  # fmt: skip
             if cu_seqlens is not None:
                 raise ValueError("attention_mask: not with cu_seqlens (packed rows have no padding)")
+            _check_device("attention_mask", attention_mask, x)
             if attention_mask.shape != (B, T):
                 raise ValueError(f"attention_mask: expected [B, T] = [{B}, {T}], got {list(attention_mask.shape)}")
             keep = attention_mask.to(torch.bool)
@@ -340,7 +345,7 @@ class KimiDeltaAttention(nn.Module):
         N = cu.shape[0] - 1
         if state is not None:
             W = self.conv_size - 1
-            _check_state(state, N, 3 * H * K, W, H, K)
+            _check_state(state, N, 3 * H * K, W, H, K, x)
         need_last = use_cache or state is not None
         q, k, v, f, b, conv_last = self._kda_inputs(x, cu, None if state is None else state.conv,
                                                     packed=cu_seqlens is not None, need_last=need_last)
@@ -398,6 +403,9 @@ class KimiDeltaAttention(nn.Module):
         check_float("conv_pool", conv_pool)
         check_float("state_pool", state_pool)
         check_indices("state_indices", state_indices)
+        # on the layer's device, as the serving ops take them: a host tensor's copy would not capture in a graph
+        for name, t in (("conv_pool", conv_pool), ("state_pool", state_pool), ("state_indices", state_indices)):
+            _check_device(name, t, x)
         if tuple(state_indices.shape) != (N,):
             raise ValueError(f"state_indices: expected [N] = [{N}], got {list(state_indices.shape)}")
         if conv_pool.dim() != 3 or tuple(conv_pool.shape[1:]) != (3 * H * K, W):
@@ -411,7 +419,7 @@ class KimiDeltaAttention(nn.Module):
         # the slots before the convolution's gather from conv_pool (the serving step checks them again, later)
         if (state_indices.device.type == "cpu" and not torch.compiler.is_compiling()) or checks.active(state_indices):
             check_slot_range(state_indices, conv_pool.shape[0])
-        idx = state_indices.to(device=x.device, dtype=torch.int64)
+        idx = state_indices.to(torch.int64)
         q, k, v, f, b, conv_last = self._kda_inputs(x, cu, conv_pool[idx.clamp(min=0)].to(x.dtype),
                                                     packed=cu_seqlens is not None, need_last=True)
         update = recurrent_kda_update_ if T == 1 and cu_seqlens is None else chunk_kda_update_
@@ -493,7 +501,14 @@ def _offsets(x: Tensor, cu_seqlens: Tensor | None) -> Tensor:
         raise TypeError(f"cu_seqlens: expected a torch.Tensor, got {type(cu_seqlens).__name__}")
     if B != 1:
         raise ValueError(f"cu_seqlens: packed rows need B = 1, got B = {B}")
+    check_cu_seqlens_form(cu_seqlens)  # before the convolution indexes by it (the KDA call checks it again)
     return cu_seqlens.to(device=x.device, dtype=torch.int64)
+
+
+def _check_device(name: str, t: Tensor, x: Tensor) -> None:
+    """``t`` on ``hidden_states``' device, or a ``ValueError`` naming it."""
+    if t.device != x.device:
+        raise ValueError(f"{name}: expected a tensor on hidden_states' device {x.device}, got {t.device}")
 
 
 def _write_rows(pool: Tensor, idx: Tensor, rows: Tensor) -> None:
@@ -510,8 +525,11 @@ def _write_rows(pool: Tensor, idx: Tensor, rows: Tensor) -> None:
     pool.index_copy_(0, target, value)
 
 
-def _check_state(state: KimiState, N: int, C: int, W: int, H: int, K: int) -> None:
-    """A :class:`KimiState` for ``N`` sequences of this layer, or a ``ValueError`` naming its part."""
+def _check_state(state: KimiState, N: int, C: int, W: int, H: int, K: int, x: Tensor) -> None:
+    """A :class:`KimiState` for ``N`` sequences of this layer on ``x``'s device, or an error naming its part."""
+    for name, t in (("state.conv", state.conv), ("state.recurrent", state.recurrent)):
+        check_float(name, t)
+        _check_device(name, t, x)
     if tuple(state.conv.shape) != (N, C, W):
         raise ValueError(f"state.conv: expected [N, 3 * H * K, conv_size - 1] = [{N}, {C}, {W}], "
                          f"got {list(state.conv.shape)}")  # fmt: skip

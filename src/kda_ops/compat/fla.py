@@ -182,8 +182,8 @@ def fused_recurrent_kda(
             _refuse(option, "a state pool read through indices (kda_ops.recurrent_kda_update_ takes them as "
                     "state_indices and num_accepted_tokens)")
     _no_other_keywords("fused_recurrent_kda", kwargs)
-    if isinstance(beta, Tensor) and isinstance(v, Tensor) and beta.dim() == v.dim() == 4:
-        _refuse("beta", "a per-channel beta [B, T, HV, V]")
+    if isinstance(beta, Tensor) and isinstance(v, Tensor) and v.dim() == 4 and beta.shape == v.shape:
+        _refuse("beta", "a per-channel beta [B, T, HV, V]")  # any other shape: the ValueError of a wrong one
     _check_beta_options(use_beta_sigmoid_in_kernel, allow_neg_eigval)
     if not use_gate_in_kernel:
         A_log = dt_bias = lower_bound = None
