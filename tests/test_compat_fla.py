@@ -255,6 +255,8 @@ REFUSED: dict[str, tuple[str, dict[str, Any], type[Exception], str]] = {
                           "cu_seqlens"),
     "cu_seqlens_cpu without cu_seqlens": ("chunk_kda", {"cu_seqlens_cpu": torch.tensor([0, 4])}, ValueError,
                                           "cu_seqlens_cpu"),
+    "cu_seqlens_cpu stale": ("chunk_kda", {"cu": True, "cu_seqlens_cpu": torch.tensor([0, 1, 2 * T])}, ValueError,
+                             "cu_seqlens_cpu"),
     "chunk allow_neg_eigval without sigmoid": ("chunk_kda", {"allow_neg_eigval": True}, ValueError, "allow_neg_eigval"),
     "recurrent allow_neg_eigval without sigmoid": ("fused_recurrent_kda", {"allow_neg_eigval": True}, ValueError,
                                                    "allow_neg_eigval"),

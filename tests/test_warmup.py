@@ -1,5 +1,5 @@
-"""``kda_ops.warmup``: public, a no-op on the CPU, and handing each public function only the options it takes (the
-warm-up on the GPU: ``tests/gpu/``)."""
+"""``kda_ops.warmup``: public, only a check of its arguments on the CPU, and handing each public function only the
+options it takes (the warm-up on the GPU: ``tests/gpu/``)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import inspect
 from typing import Any
 
 import pytest
+import torch
 
 import kda_ops
 from kda_ops import _warmup
@@ -14,7 +15,7 @@ from kda_ops.testing import make_inputs
 from tests.cases import option_inputs
 
 
-def test_warmup_is_public_and_a_noop_on_the_cpu() -> None:
+def test_warmup_is_public_and_runs_on_the_cpu() -> None:
     x = option_inputs("l2norm", 1, 8, 1, 8, 8, HV=1)
     assert "warmup" in kda_ops.__all__
     kda_ops.warmup(x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=True)
@@ -42,8 +43,25 @@ def test_warmup_names_an_argument_that_is_not_a_tensor() -> None:
 
 
 def test_a_misspelt_option_is_named_on_the_cpu_too() -> None:
-    """warmup is a no-op on the CPU, but it names an option that chunk_kda does not take there too."""
+    """warmup compiles nothing on the CPU, but it names an option that chunk_kda does not take there too."""
     x = make_inputs(1, 8, 1, 4, 4)
     with pytest.raises(TypeError, match=r"^warmup: unexpected keyword arguments \['use_qk_l2norm'\]"):
         kda_ops.warmup(**x, use_qk_l2norm=True)
     kda_ops.warmup(**x, use_qk_l2norm_in_kernel=True)
+
+
+@pytest.mark.parametrize(
+    ("bad", "exc", "name"),
+    [
+        ({"use_gate_in_kernel": 1}, TypeError, "use_gate_in_kernel"),
+        ({"initial_state": torch.zeros(1, 1, 4, 5)}, ValueError, "initial_state"),
+        ({"scale": "x"}, TypeError, "scale"),
+        ({"A_log": torch.zeros(1)}, ValueError, "A_log"),
+    ],
+    ids=["flag", "initial_state", "scale", "A_log"],
+)
+def test_warmup_checks_the_arguments_on_the_cpu(bad: dict[str, Any], exc: type[Exception], name: str) -> None:
+    """The arguments as ``chunk_kda`` checks them, before anything compiles: a CPU machine shows what a GPU would."""
+    x = make_inputs(1, 8, 1, 4, 4)
+    with pytest.raises(exc, match=f"^{name}: expected"):
+        kda_ops.warmup(**x, **bad)

@@ -32,7 +32,15 @@ import torch
 from torch import Tensor
 
 from kda_ops import ops
-from kda_ops.api import check_float, chunk_kda, chunk_kda_update_, recurrent_kda, recurrent_kda_update_
+from kda_ops.api import (
+    _validate,
+    check_flags,
+    check_float,
+    chunk_kda,
+    chunk_kda_update_,
+    recurrent_kda,
+    recurrent_kda_update_,
+)
 from kda_ops.common import num_sequences, state_dtype, state_shape
 
 # keyword arguments of chunk_kda that recurrent_kda does not take, and those the serving step does not take either
@@ -58,13 +66,20 @@ def warmup(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kwargs: A
     and ``output_final_state`` included: each combination is its own compiled kernel; ``state_v_first`` too, which
     the serving step's scratch pool follows); small ``B`` and ``T``
     suffice. Afterwards calls with any ``B``, ``T`` and ``cu_seqlens`` values run without autotuning, so they can
-    be captured in a CUDA graph. A no-op on the CPU. Not for use inside a capture or a compiled region.
+    be captured in a CUDA graph. On the CPU it only checks the arguments, as ``chunk_kda`` would. Not for use inside
+    a capture or a compiled region.
     """
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         check_float(name, x)  # before q.device is read: a clear error for a list, as the public functions give
-    unknown = sorted(set(kwargs) - set(inspect.signature(chunk_kda).parameters))
+    params = inspect.signature(chunk_kda).parameters
+    unknown = sorted(set(kwargs) - set(params))
     if unknown:  # on every device, so that a misspelt option shows on a CPU machine too
         raise TypeError(f"warmup: unexpected keyword arguments {unknown} (chunk_kda's options are taken)")
+    # the arguments as chunk_kda checks them, on every device too (shapes, dtypes, devices: no value of a device)
+    a = {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty} | kwargs
+    check_flags(*((name, a[name]) for name, p in params.items() if isinstance(p.default, bool)))
+    _validate(q, k, v, g, beta, a["scale"], a["initial_state"], a["cu_seqlens"], a["use_gate_in_kernel"], a["A_log"],
+              a["dt_bias"], a["lower_bound"], a["state_v_first"])  # fmt: skip
     if q.device.type != "cuda":
         return
     # the serving steps from a scratch pool, one slot per sequence (their options without the state arguments)
