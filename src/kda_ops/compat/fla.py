@@ -36,7 +36,7 @@ from typing import Any, NoReturn
 import torch
 from torch import Tensor
 
-from kda_ops import api, checks
+from kda_ops import api
 
 _CHUNK_SIZES = (32, 64)
 
@@ -119,10 +119,10 @@ def chunk_kda(
             raise ValueError(f"cu_seqlens_cpu: expected a CPU copy of cu_seqlens (shape "
                              f"{None if cu_seqlens is None else list(cu_seqlens.shape)}), got shape "
                              f"{list(cu_seqlens_cpu.shape)} on {cu_seqlens_cpu.device}")  # fmt: skip
-        # its values where reading cu_seqlens costs no device sync (or in the checked mode): a stale copy would
-        # cut the intermediate states short
-        if (cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling()) or checks.active(cu_seqlens):
-            if not torch.equal(cu_seqlens_cpu.long(), cu_seqlens.cpu().long()):  # sync-ok: as above
+        # its values where reading cu_seqlens costs no device sync: a stale copy would cut the intermediate states
+        # short
+        if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
+            if not torch.equal(cu_seqlens_cpu.long(), cu_seqlens.long()):
                 raise ValueError(f"cu_seqlens_cpu: expected the values of cu_seqlens {cu_seqlens.tolist()}, got "
                                  f"{cu_seqlens_cpu.tolist()}")  # fmt: skip  # sync-ok: as above
     if safe_gate and use_gate_in_kernel:
