@@ -180,9 +180,12 @@ def test_distributed_names_the_bad_argument(tmp_path: Path) -> None:
         for bad, name in (({"v": torch.cat([x["v"], x["v"]])}, "v"), ({"v": x["v"][:, :4]}, "v"),
                           ({"g": x["g"][..., :2]}, "g"), ({"beta": x["beta"][..., None]}, "beta"),
                           ({"initial_state": torch.zeros(1, 1, 4, 4, device="meta")}, "initial_state"),
-                          ({"cu_seqlens": torch.tensor([0, 3, 8], device="meta")}, "cu_seqlens")):  # fmt: skip
+                          ({"cu_seqlens": torch.tensor([0, 3, 8], device="meta")}, "cu_seqlens"),
+                          ({**make_inputs(2, 8, 1, 4, 4), "cu_seqlens": torch.tensor([0, 3, 8])}, "cu_seqlens")):
             with pytest.raises(ValueError, match=f"^{name}: expected"):
                 distributed.chunk_kda(**{**x, **bad})
+        with pytest.raises(TypeError, match="^use_gate_in_kernel: expected"):
+            distributed.chunk_kda(**x, use_gate_in_kernel=1)
         o, _ = distributed.chunk_kda(**x, cu_seqlens=torch.tensor([0, 3, 8]))
         assert torch.allclose(o, kda_ops.chunk_kda(**x, cu_seqlens=torch.tensor([0, 3, 8]))[0])
     finally:

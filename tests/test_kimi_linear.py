@@ -343,6 +343,7 @@ def test_bad_calls_are_named() -> None:
         "attention_mask ": (lambda: m(x, attention_mask=torch.ones(2, 3, device="meta")), ValueError),
         "cu_seqlens ": (lambda: m(x[:1], cu_seqlens=torch.tensor([[0, 3]])), ValueError),
         "cu_seqlens  ": (lambda: m(x[:1], cu_seqlens=torch.tensor([0.0, 3.0])), TypeError),
+        "cu_seqlens   ": (lambda: m(x[:1], cu_seqlens=torch.tensor([0, 3], device="meta")), ValueError),
         "state.conv": (lambda: m(x, state=KimiState(conv_pool[:2].int(), state_pool[:2])), TypeError),
         "state.conv ": (lambda: m(x, state=KimiState(conv_pool[:2].to("meta"), state_pool[:2])), ValueError),
         "state.recurrent": (lambda: m(x, state=KimiState(conv_pool[:2], state_pool[:2].to("meta"))), ValueError),

@@ -66,8 +66,8 @@ def warmup(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kwargs: A
     and ``output_final_state`` included: each combination is its own compiled kernel; ``state_v_first`` too, which
     the serving step's scratch pool follows); small ``B`` and ``T``
     suffice. Afterwards calls with any ``B``, ``T`` and ``cu_seqlens`` values run without autotuning, so they can
-    be captured in a CUDA graph. On the CPU it only checks the arguments, as ``chunk_kda`` would. Not for use inside
-    a capture or a compiled region.
+    be captured in a CUDA graph. On the CPU it only checks the arguments (their types, shapes, dtypes, devices and
+    flags, as ``chunk_kda`` checks them). Not for use inside a capture or a compiled region.
     """
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         check_float(name, x)  # before q.device is read: a clear error for a list, as the public functions give

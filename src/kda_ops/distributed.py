@@ -123,7 +123,10 @@ def chunk_kda(
         raise ValueError("group: torch.distributed is not initialised (call torch.distributed.init_process_group)")
     group = dist.group.WORLD if group is None else group
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    check_flags(("output_final_state", output_final_state), ("state_v_first", state_v_first))
+    check_flags(("output_final_state", output_final_state), ("state_v_first", state_v_first),
+                ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel), ("use_gate_in_kernel", use_gate_in_kernel),
+                ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel), ("allow_neg_eigval", allow_neg_eigval),
+                ("recompute_in_backward", recompute_in_backward))  # fmt: skip
     # the slice and the gate's arguments as chunk_kda checks them, before the slice is widened by K columns (the
     # sequences and the state belong to the whole row: checked here)
     _validate(q, k, v, g, beta, scale, None, None, use_gate_in_kernel, A_log, dt_bias, lower_bound)
@@ -131,6 +134,8 @@ def chunk_kda(
     HV, V = v.shape[2], v.shape[3]
     if cu_seqlens is not None:  # its type and shape here, its values on the whole row below
         check_cu_seqlens_form(cu_seqlens)
+        if B != 1:
+            raise ValueError(f"cu_seqlens: expected batch size B = 1 (sequences are packed along T), got B = {B}")
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if initial_state is not None:
         check_float("initial_state", initial_state)

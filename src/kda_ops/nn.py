@@ -502,7 +502,8 @@ def _offsets(x: Tensor, cu_seqlens: Tensor | None) -> Tensor:
     if B != 1:
         raise ValueError(f"cu_seqlens: packed rows need B = 1, got B = {B}")
     check_cu_seqlens_form(cu_seqlens)  # before the convolution indexes by it (the KDA call checks it again)
-    return cu_seqlens.to(device=x.device, dtype=torch.int64)
+    _check_device("cu_seqlens", cu_seqlens, x)
+    return cu_seqlens.to(torch.int64)
 
 
 def _check_device(name: str, t: Tensor, x: Tensor) -> None:
