@@ -80,7 +80,8 @@ def test_stage_dqk_split_products(blocks: bool, device: torch.device, monkeypatc
         assert_rel(a, b, 1e-5, name)
 
 
-@pytest.mark.parametrize(("blocks", "flags"), [(False, {}), (True, {}), (False, {"PREFETCH": 2, "HOLD_DM": 1})],
+@pytest.mark.parametrize(("blocks", "flags"), [(False, {}), (True, {}),
+                                               pytest.param(False, {"PREFETCH": 2, "HOLD_DM": 1}, marks=pytest.mark.slow)],
                          ids=["anchored", "blocks", "anchored_prefetch"])  # fmt: skip
 def test_stage_dqk_l2norm_epilogue(blocks: bool, flags: dict[str, int], device: torch.device,
                                    monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
@@ -124,6 +125,7 @@ def test_stage_dqk_l2norm_epilogue(blocks: bool, flags: dict[str, int], device: 
         assert_rel(a.float(), b, 2**-8, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [{"PREFETCH": 1}, {"PREFETCH": 2, "HOLD_DM": 1}, {"HOLD_DOE": 1}],
                          ids=["prefetch", "prefetch_dkt_hold_dm", "hold_doe"])  # fmt: skip
 def test_stage_dqk_schedule_flags(flags: dict[str, int], device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
