@@ -80,9 +80,11 @@ def test_stage_dqk_split_products(blocks: bool, device: torch.device, monkeypatc
         assert_rel(a, b, 1e-5, name)
 
 
-@pytest.mark.parametrize(("blocks", "flags"), [(False, {}), (True, {}),
-                                               pytest.param(False, {"PREFETCH": 2, "HOLD_DM": 1}, marks=pytest.mark.slow)],
-                         ids=["anchored", "blocks", "anchored_prefetch"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("blocks", "flags"),
+    [(False, {}), (True, {}), pytest.param(False, {"PREFETCH": 2, "HOLD_DM": 1}, marks=pytest.mark.slow)],
+    ids=["anchored", "blocks", "anchored_prefetch"],
+)
 def test_stage_dqk_l2norm_epilogue(blocks: bool, flags: dict[str, int], device: torch.device,
                                    monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """With ``norm_dtype`` (one value head per key head) the stage returns the raw rows' gradients through their
