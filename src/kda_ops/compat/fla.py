@@ -123,8 +123,8 @@ def chunk_kda(
         # short
         if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
             if not torch.equal(cu_seqlens_cpu.long(), cu_seqlens.long()):
-                raise ValueError(f"cu_seqlens_cpu: expected the values of cu_seqlens {cu_seqlens.tolist()}, got "
-                                 f"{cu_seqlens_cpu.tolist()}")  # fmt: skip  # sync-ok: CPU tensors
+                want, got = cu_seqlens.tolist(), cu_seqlens_cpu.tolist()  # sync-ok: CPU tensors
+                raise ValueError(f"cu_seqlens_cpu: expected the values of cu_seqlens {want}, got {got}")
     if safe_gate and use_gate_in_kernel:
         if lower_bound is None:
             raise ValueError("lower_bound: expected a float in [-5, 0) with safe_gate and use_gate_in_kernel, got None")
