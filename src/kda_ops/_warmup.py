@@ -33,8 +33,7 @@ from torch import Tensor
 
 from kda_ops import ops
 from kda_ops.api import (
-    _validate,
-    check_flags,
+    check_call,
     check_float,
     chunk_kda,
     chunk_kda_update_,
@@ -77,9 +76,7 @@ def warmup(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kwargs: A
         raise TypeError(f"warmup: unexpected keyword arguments {unknown} (chunk_kda's options are taken)")
     # the arguments as chunk_kda checks them, on every device too (shapes, dtypes, devices: no value of a device)
     a = {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty} | kwargs
-    check_flags(*((name, a[name]) for name, p in params.items() if isinstance(p.default, bool)))
-    _validate(q, k, v, g, beta, a["scale"], a["initial_state"], a["cu_seqlens"], a["use_gate_in_kernel"], a["A_log"],
-              a["dt_bias"], a["lower_bound"], a["state_v_first"])  # fmt: skip
+    check_call(q, k, v, g, beta, **a)
     if q.device.type != "cuda":
         return
     # the serving steps from a scratch pool, one slot per sequence (their options without the state arguments)

@@ -99,6 +99,33 @@ def _layout(lead: str, state_v_first: bool) -> str:
     return f"[{lead}, HV, K, V] (the K-first layout; state_v_first=True takes [{lead}, HV, V, K])"
 
 
+def check_call(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    use_gate_in_kernel: bool = False,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    lower_bound: float | Tensor | None = None,
+    state_v_first: bool = False,
+    cu_seqlens_values: bool = True,
+    **flags: object,
+) -> tuple[float, float | None]:
+    """The checks of a ``chunk_kda`` / ``recurrent_kda`` call, in one place for every caller that takes their
+    arguments: ``flags`` are the call's other bool options by name. ``cu_seqlens_values=False`` leaves the values of
+    a CPU ``cu_seqlens`` to the caller (a slice of a row whose length only the caller knows). Returns the scale and
+    the gate's lower bound to use."""
+    check_flags(("use_gate_in_kernel", use_gate_in_kernel), ("state_v_first", state_v_first), *flags.items())
+    return _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias,
+                     lower_bound, state_v_first, cu_seqlens_values)  # fmt: skip
+
+
 def _validate(
     q: Tensor,
     k: Tensor,
@@ -113,6 +140,7 @@ def _validate(
     dt_bias: Tensor | None,
     lower_bound: float | Tensor | None,
     state_v_first: bool = False,
+    cu_seqlens_values: bool = True,
 ) -> tuple[float, float | None]:
     """Check every argument against the contract; return the scale and the gate's lower bound to use."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
@@ -148,7 +176,9 @@ def _validate(
             _fail(ValueError, "cu_seqlens", "batch size B = 1 (sequences are packed along T)", f"B = {B}")
         N = cu_seqlens.shape[0] - 1
         others.append(("cu_seqlens", cu_seqlens))
-        if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
+        if not cu_seqlens_values:
+            pass  # the caller checks them against its row
+        elif cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
             _check_cu_seqlens_values(cu_seqlens, T)
         elif checks.active(cu_seqlens):
             _check_cu_seqlens_values(cu_seqlens.cpu(), T)  # sync-ok: checked mode
@@ -233,14 +263,12 @@ def _run(
     state_v_first: bool,
     *extra: bool,
 ) -> tuple[Tensor, ...]:
-    check_flags(
-        ("output_final_state", output_final_state), ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
-        ("use_gate_in_kernel", use_gate_in_kernel), ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
-        ("allow_neg_eigval", allow_neg_eigval), ("state_v_first", state_v_first),
-    )  # fmt: skip
-    s, bound = _validate(
-        q, k, v, g, beta, scale, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-        state_v_first,
+    s, bound = check_call(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        state_v_first=state_v_first, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval,
     )  # fmt: skip
     if checks.active(g):
         checks.check_gate_and_beta(g, beta, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)

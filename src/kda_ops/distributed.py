@@ -25,18 +25,9 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 from torch import Tensor
 
-from kda_ops.api import (
-    MAX_HEAD_DIM,
-    _check_cu_seqlens_values,
-    _check_shape,
-    _layout,
-    _validate,
-    check_cu_seqlens_form,
-    check_flags,
-    check_float,
-)
+from kda_ops.api import MAX_HEAD_DIM, _check_cu_seqlens_values, check_call
 from kda_ops.api import chunk_kda as _chunk_kda
-from kda_ops.common import state_dtype, state_shape, transposed
+from kda_ops.common import num_sequences, state_dtype, transposed
 from kda_ops.reference.segments import segment_states
 
 # the autograd all-gather's name since torch 2.12, and before
@@ -123,28 +114,20 @@ def chunk_kda(
         raise ValueError("group: torch.distributed is not initialised (call torch.distributed.init_process_group)")
     group = dist.group.WORLD if group is None else group
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    check_flags(("output_final_state", output_final_state), ("state_v_first", state_v_first),
-                ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel), ("use_gate_in_kernel", use_gate_in_kernel),
-                ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel), ("allow_neg_eigval", allow_neg_eigval),
-                ("recompute_in_backward", recompute_in_backward))  # fmt: skip
-    # the slice and the gate's arguments as chunk_kda checks them, before the slice is widened by K columns (the
-    # sequences and the state belong to the whole row: checked here)
-    _validate(q, k, v, g, beta, scale, None, None, use_gate_in_kernel, A_log, dt_bias, lower_bound)
+    # as chunk_kda checks them, on the slice, before it is widened by K columns; the values of cu_seqlens belong to
+    # the whole row: checked below, against the slices' lengths
+    check_call(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        state_v_first=state_v_first, cu_seqlens_values=False, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, recompute_in_backward=recompute_in_backward,
+    )  # fmt: skip
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    if cu_seqlens is not None:  # its type and shape here, its values on the whole row below
-        check_cu_seqlens_form(cu_seqlens)
-        if B != 1:
-            raise ValueError(f"cu_seqlens: expected batch size B = 1 (sequences are packed along T), got B = {B}")
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    if initial_state is not None:
-        check_float("initial_state", initial_state)
-        want = state_shape(N, HV, K, V, state_v_first)
-        _check_shape("initial_state", initial_state, want, _layout("N", state_v_first))
-        initial_state = transposed(initial_state) if state_v_first else initial_state
-    for name, x in (("cu_seqlens", cu_seqlens), ("initial_state", initial_state)):
-        if x is not None and x.device != q.device:
-            raise ValueError(f"{name}: expected a tensor on q's device {q.device}, got {x.device}")
+    N = num_sequences(q, cu_seqlens)
+    if initial_state is not None and state_v_first:
+        initial_state = transposed(initial_state)
     dtype = state_dtype(v)
     options: dict[str, Any] = dict(
         scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
