@@ -62,7 +62,8 @@ def test_launch_variants_parse_and_restore_the_table() -> None:
     with bench_launch.launched(flags):  # a stage's schedule flags reach its kernel's launch
         assert launch.launch("dqk", BK=128, BV=128)["PREFETCH"] == 2
         assert launch.launch("dv", BK=128, BV=128)["LATE_STORE"] == 1
-    assert "PREFETCH" not in launch.launch("dqk", BK=128, BV=128)
+    assert launch.launch("dqk", BK=128, BV=128)["PREFETCH"] == before["dqk"]["PREFETCH"]
+    assert "LATE_STORE" not in launch.launch("dv", BK=128, BV=128)
     forms = bench_launch.parse_variant("forms:scan_segments=4,output_per_item=1")
     with bench_launch.launched(forms):
         assert (launch.forced.scan_segments, launch.forced.output_per_item) == (4, True)

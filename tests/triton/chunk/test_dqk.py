@@ -128,11 +128,11 @@ def test_stage_dqk_l2norm_epilogue(blocks: bool, flags: dict[str, int], device: 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [{"PREFETCH": 1}, {"PREFETCH": 2, "HOLD_DM": 1}, {"HOLD_DOE": 1}],
-                         ids=["prefetch", "prefetch_dkt_hold_dm", "hold_doe"])  # fmt: skip
+@pytest.mark.parametrize("flags", [{"PREFETCH": 0}, {"PREFETCH": 2, "HOLD_DM": 1}, {"HOLD_DOE": 1}],
+                         ids=["no_prefetch", "prefetch_dkt_hold_dm", "hold_doe"])  # fmt: skip
 def test_stage_dqk_schedule_flags(flags: dict[str, int], device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The anchored pass's schedule flags in the launch table (the next key tile's loads ahead of the stores, tiles
-    held across the key loop) give the same gradients: against the oracle, and equal bit for bit to the default
+    """The anchored pass's schedule flags in the launch table (the next key tile's loads ahead of the stores or not,
+    tiles held across the key loop) give the same gradients: against the oracle, and equal bit for bit to the default
     form's where the products are the same (``HOLD_DOE`` sums the value tiles in one product). K = 40: two key
     tiles, the second partial; V = 72: two value tiles (of 64), the second partial; ``half_reset`` sends one chunk
     through the block pass, which takes no flags."""
