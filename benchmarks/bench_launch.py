@@ -15,8 +15,8 @@ Inputs are ``bench_chunk.py``'s (bf16, or fp16 with ``--dtype fp16``; K = V = 12
 out); the backward takes a random ``do`` (in the inputs' dtype) and ``dht`` (fp32), as ``bench_chunk_bwd.py`` does.
 Columns: GPU ms (``triton.testing.do_bench`` median after a compiling call, L2 flushed), and the largest absolute
 difference of the outputs (with ``--backward``: of every gradient) from the configured launch's; a variant whose
-products group their sums differently (other warps, another key tile) rounds differently, so a small difference is
-expected there, 0 elsewhere.
+products group their sums differently (other warps, another key tile, and as compiled the dv stage's ``PREFETCH``)
+rounds differently, so a small difference is expected there, 0 elsewhere.
 
 Usage: ``python benchmarks/bench_launch.py [--shapes B,T,H ...] [--backward] [--dtype fp16] [--graph] [--out DIR]
 VARIANT ...``; the table is printed last and written to ``DIR/bench_launch.md`` when ``--out`` is given.

@@ -76,7 +76,8 @@ def warmup(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kwargs: A
         raise TypeError(f"warmup: unexpected keyword arguments {unknown} (chunk_kda's options are taken)")
     # the arguments as chunk_kda checks them, on every device too (shapes, dtypes, devices: no value of a device)
     a = {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty} | kwargs
-    check_call(q, k, v, g, beta, **a)
+    named = inspect.signature(check_call).parameters  # the rest of chunk_kda's options are its bool flags
+    check_call(q, k, v, g, beta, **{n: x for n, x in a.items() if n in named or isinstance(params[n].default, bool)})
     if q.device.type != "cuda":
         return
     # the serving steps from a scratch pool, one slot per sequence (their options without the state arguments)

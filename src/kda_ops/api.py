@@ -119,8 +119,8 @@ def check_call(
 ) -> tuple[float, float | None]:
     """The checks of a ``chunk_kda`` / ``recurrent_kda`` call, in one place for every caller that takes their
     arguments: ``flags`` are the call's other bool options by name. ``cu_seqlens_values=False`` leaves the values of
-    a CPU ``cu_seqlens`` to the caller (a slice of a row whose length only the caller knows). Returns the scale and
-    the gate's lower bound to use."""
+    ``cu_seqlens`` (on the CPU, and in the checked mode on a device) to the caller: a slice of a row whose length
+    only the caller knows. Returns the scale and the gate's lower bound to use."""
     check_flags(("use_gate_in_kernel", use_gate_in_kernel), ("state_v_first", state_v_first), *flags.items())
     return _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias,
                      lower_bound, state_v_first, cu_seqlens_values)  # fmt: skip
@@ -176,11 +176,9 @@ def _validate(
             _fail(ValueError, "cu_seqlens", "batch size B = 1 (sequences are packed along T)", f"B = {B}")
         N = cu_seqlens.shape[0] - 1
         others.append(("cu_seqlens", cu_seqlens))
-        if not cu_seqlens_values:
-            pass  # the caller checks them against its row
-        elif cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
+        if cu_seqlens_values and cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
             _check_cu_seqlens_values(cu_seqlens, T)
-        elif checks.active(cu_seqlens):
+        elif cu_seqlens_values and checks.active(cu_seqlens):
             _check_cu_seqlens_values(cu_seqlens.cpu(), T)  # sync-ok: checked mode
 
     if initial_state is not None:

@@ -82,14 +82,15 @@ def test_stage_dqk_split_products(blocks: bool, device: torch.device, monkeypatc
 
 @pytest.mark.parametrize(
     ("blocks", "flags"),
-    [(False, {}), (True, {}), pytest.param(False, {"PREFETCH": 2, "HOLD_DM": 1}, marks=pytest.mark.slow)],
-    ids=["anchored", "blocks", "anchored_prefetch"],
+    [(False, {}), (True, {}), pytest.param(False, {"PREFETCH": 0}, marks=pytest.mark.slow),
+     pytest.param(False, {"PREFETCH": 2, "HOLD_DM": 1}, marks=pytest.mark.slow)],
+    ids=["anchored", "blocks", "anchored_no_prefetch", "anchored_prefetch"],
 )
 def test_stage_dqk_l2norm_epilogue(blocks: bool, flags: dict[str, int], device: torch.device,
                                    monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """With ``norm_dtype`` (one value head per key head) the stage returns the raw rows' gradients through their
-    l2norm, in both passes (and with the anchored pass's loads ahead, which scale the raw rows a tile later): the
-    oracle's dq, dk of the normalised rows chained through float64 autograd of the reference l2norm."""
+    l2norm, in both passes (and with the anchored pass's loads ahead or not, which scale the raw rows a tile later or
+    at once): the oracle's dq, dk of the normalised rows chained through float64 autograd of the reference l2norm."""
     monkeypatch.setitem(launch.LAUNCH, "dqk", {**launch.LAUNCH["dqk"], **flags})
     c = bwd_stage_case("half_reset", H=2, HV=2, K=40, device=device)
     c.update(dv_inputs(c))

@@ -231,13 +231,13 @@ def chunk_bwd_dqk_kernel(
     (``BKE = pow2(K)``) read back from the program's own stores after the key loop. The loop carries no sums for
     it: sums of ``y . dy`` kept live through the loop cost the stage more than the whole read-back.
 
-    The anchored pass's schedule (:data:`~kda_ops.triton.launch.LAUNCH` flags, 0 by default; the block pass takes
-    none): ``PREFETCH`` 1 loads the next key tile's ``q``, ``k``, ``Gam`` before the tile's stores (2: its ``dKt``
-    too), so that they issue without waiting for the stores (the next tile's columns are not those the stores
-    write); ``HOLD_DM`` loads ``[dMqk; dMkk]`` once before the key loop instead of per tile; ``HOLD_DOE`` the
-    chunk's ``dO`` and ``E`` rows ``[BT, BVA]`` too (:func:`value_products`; built for V <= 128). ``PREFETCH`` and
-    ``HOLD_DM`` compute the same values; ``HOLD_DOE`` sums each state product over the whole value width in one
-    product, so where V spans several value tiles it rounds differently."""
+    The anchored pass's schedule (:data:`~kda_ops.triton.launch.LAUNCH` flags, the kernel's default 0, the stage's
+    entries ``PREFETCH=1``; the block pass takes none): ``PREFETCH`` 1 loads the next key tile's ``q``, ``k``, ``Gam``
+    before the tile's stores (2: its ``dKt`` too), so that they issue without waiting for the stores (the next tile's
+    columns are not those the stores write); ``HOLD_DM`` loads ``[dMqk; dMkk]`` once before the key loop instead of per
+    tile; ``HOLD_DOE`` the chunk's ``dO`` and ``E`` rows ``[BT, BVA]`` too (:func:`value_products`; built for V <= 128).
+    ``PREFETCH`` and ``HOLD_DM`` compute the same values; ``HOLD_DOE`` sums each state product over the whole value
+    width in one product, so where V spans several value tiles it rounds differently."""
     i_c, i_hv = chunk_item(HV)
     i_h = i_hv // (HV // H)
     count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)

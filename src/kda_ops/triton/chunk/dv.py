@@ -64,7 +64,8 @@ def chunk_bwd_dv_kernel(
 ):  # fmt: skip
     """Schedule (:data:`~kda_ops.triton.launch.LAUNCH` flags, 0 by default): ``PREFETCH`` loads the next value
     tile's ``dO``, ``E``, ``dE``, ``v`` before the tile's ``dv`` store, so that they issue without waiting for it;
-    ``LATE_STORE`` stores ``dv`` after the tile's other products. Each computes the same values."""
+    ``LATE_STORE`` stores ``dv`` after the tile's other products. Each runs the same operations; compiled, the
+    ``PREFETCH`` form's sums may be grouped otherwise, so it can round differently."""
     i_c, i_hv = chunk_item(HV)
     i_h = i_hv // (HV // H)
     count, tok, m = slot_rows(slot_start, slot_count, i_c, BT)
