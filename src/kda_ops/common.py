@@ -111,14 +111,17 @@ def triton_version() -> str | None:
         return None
 
 
+def triton_release() -> tuple[int, ...] | None:
+    """The installed triton's ``(major, minor)``, or None."""
+    v = triton_version()
+    return None if v is None else tuple(int(p) for p in re.findall(r"\d+", v)[:2])
+
+
 @functools.cache
 def triton_usable() -> bool:
     """Whether a triton of at least :data:`TRITON_MIN` is installed (asked on every Triton op call: cached)."""
-    v = triton_version()
-    if v is None:
-        return False
-    parts = [int(p) for p in re.findall(r"\d+", v)[:2]]
-    return tuple(parts) >= TRITON_MIN
+    release = triton_release()
+    return release is not None and release >= TRITON_MIN
 
 
 def check_triton(what: str) -> None:
